@@ -1,0 +1,400 @@
+"""FSDP2 (``fully_shard``) backend. All private FSDP2 access lives here.
+
+See [Note: why a retained graph needs unsharded storage] in ``_common.py``.
+
+What the block does to FSDP2, per FSDP parameter group (one per unit):
+
+- ``keep_unsharded=True``: ``post_forward_mesh_info=None`` (no reshard after
+  forward) and ``reshard_after_backward=False``, so one all-gather per unit
+  serves the forward and every backward. Between passes the modules show the
+  sharded parameters again (``model.parameters()``, ``zero_grad()`` and
+  ``clip_grad_norm_`` see the usual DTensors) while the unsharded storage
+  stays alive for the graph.
+- ``keep_unsharded=False``: ``reshard_after_backward=True``; FSDP2's own
+  pre-backward hook re-gathers per unit on each pass. The backward prefetch
+  order recorded by the forward is replayed on every pass.
+- ``sync_grads="last"``: ``reduce_grads=False`` until the last pass (or the
+  block exit), so unsharded gradients accumulate and are reduce-scattered once.
+
+Pass boundaries come from FSDP2 itself: the first pre-backward hook of a pass
+queues FSDP2's root final callback; we wrap that registration to learn that a
+pass starts, and queue our own callback right after FSDP2's to learn it ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._common import (
+    ACTIVE_ATTR,
+    PassTracker,
+    RetainOptions,
+    missing_internal,
+    require_attr,
+)
+
+_FLAVOUR = "FSDP2"
+_PASS_START_HOOK = "_register_root_post_backward_final_callback"
+_GROUP_FLAGS = (
+    "post_forward_mesh_info",
+    "reshard_after_backward",
+    "reduce_grads",
+    "all_reduce_grads",
+)
+
+
+def _fsdp_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def is_fsdp2_module(module: nn.Module) -> bool:
+    cls = _fsdp_module_class()
+    return cls is not None and isinstance(module, cls)
+
+
+def _training_state_enum():
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp._fsdp_common import TrainingState
+        except ImportError:
+            raise missing_internal("TrainingState", _FLAVOUR) from None
+    return TrainingState
+
+
+def _queue_callback(fn) -> None:
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(fn)
+
+
+def _grad_version(grad: torch.Tensor) -> int:
+    local = getattr(grad, "_local_tensor", grad)
+    return local._version
+
+
+def fsdp2_param_groups(model: nn.Module) -> list[Any]:
+    """The FSDP parameter groups (one per unit with parameters) under ``model``."""
+    groups = []
+    for module in model.modules():
+        if is_fsdp2_module(module):
+            state = module._get_fsdp_state()
+            groups.extend(g for g in state._fsdp_param_groups if g.fsdp_params)
+    return groups
+
+
+@dataclasses.dataclass
+class _Sentinel:
+    grad: torch.Tensor
+    version: int
+    created: bool
+
+
+class FSDP2Block:
+    """One ``no_reshard_between_backwards`` block on an FSDP2 root."""
+
+    def __init__(self, model: nn.Module, options: RetainOptions) -> None:
+        self.model = model
+        self.options = options
+        self.tracker = PassTracker(options.backwards)
+        get_state = require_attr(model, "_get_fsdp_state", _FLAVOUR)
+        self._state = get_state()
+        if self._state._is_root is False:
+            raise ValueError(
+                f"no_reshard_between_backwards got a non-root FSDP2 unit "
+                f"({type(model).__name__}). Pass the root: the module fully_shard was "
+                "applied to last, whose forward runs the others."
+            )
+        self._installed = False
+        self._deferred_hook = None
+        self._states: list[Any] = []
+        self._groups: list[Any] = []
+        self._saved_groups: list[tuple[Any, dict[str, Any]]] = []
+        self._patched: list[Any] = []
+        self._forward_hooks: list[Any] = []
+        self._swapped: set[int] = set()  # ids of groups showing sharded params
+        self._prefetch: tuple[list[Any], list[list[int]]] | None = None
+        self._sentinels: dict[Any, _Sentinel] = {}
+        self._pending_unreduced = False
+
+    @property
+    def backward_passes(self) -> int:
+        return self.tracker.started
+
+    # Entering and leaving #
+    def enter(self) -> None:
+        setattr(self.model, ACTIVE_ATTR, True)
+        try:
+            if self._state._is_root is None:
+                # FSDP2 picks its root at the first forward; install then.
+                self._deferred_hook = self.model.register_forward_pre_hook(
+                    self._install_at_first_forward, prepend=True
+                )
+            else:
+                self._install()
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def exit(self, exc: BaseException | None) -> None:
+        try:
+            if not self._installed:
+                return
+            if exc is None:
+                self._finish()
+            else:
+                self._abort()
+        finally:
+            self._uninstall()
+
+    def _install_at_first_forward(self, module: nn.Module, args: Any) -> None:
+        self._deferred_hook.remove()
+        self._deferred_hook = None
+        if self._state._is_root is False:
+            raise ValueError(
+                "no_reshard_between_backwards got a non-root FSDP2 unit: another FSDP2 "
+                "module ran forward first and became the root. Pass that root module."
+            )
+        require_attr(self._state, "_lazy_init", _FLAVOUR)()
+        self._install()
+
+    def _install(self) -> None:
+        state_ctx = require_attr(self._state, "_state_ctx", _FLAVOUR)
+        self._states = list(require_attr(state_ctx, "all_states", _FLAVOUR))
+        self._groups = [
+            g
+            for s in self._states
+            for g in require_attr(s, "_fsdp_param_groups", _FLAVOUR)
+        ]
+        for group in self._groups:
+            saved = {name: require_attr(group, name, _FLAVOUR) for name in _GROUP_FLAGS}
+            self._saved_groups.append((group, saved))
+        self._installed = True
+        opts = self.options
+        for group in self._groups:
+            if opts.keep_unsharded:
+                group.post_forward_mesh_info = None
+                group.reshard_after_backward = False
+            else:
+                group.reshard_after_backward = True
+            if opts.sync_grads == "last":
+                group.reduce_grads = False
+                group.all_reduce_grads = False
+        for state in self._states:
+            original = require_attr(state, _PASS_START_HOOK, _FLAVOUR)
+            setattr(state, _PASS_START_HOOK, self._wrap_pass_start(state, original))
+            self._patched.append(state)
+        if opts.keep_unsharded:
+            for group in self._groups:
+                for module in group.modules:
+                    handle = module.register_forward_pre_hook(
+                        self._show_unsharded_before_forward, prepend=True
+                    )
+                    self._forward_hooks.append(handle)
+
+    def _uninstall(self) -> None:
+        if self._deferred_hook is not None:
+            self._deferred_hook.remove()
+            self._deferred_hook = None
+        for handle in self._forward_hooks:
+            handle.remove()
+        self._forward_hooks.clear()
+        for state in self._patched:
+            state.__dict__.pop(_PASS_START_HOOK, None)
+        self._patched.clear()
+        for group, saved in self._saved_groups:
+            for name, value in saved.items():
+                setattr(group, name, value)
+        self._saved_groups.clear()
+        self._installed = False
+        if getattr(self.model, ACTIVE_ATTR, False):
+            delattr(self.model, ACTIVE_ATTR)
+
+    def _finish(self) -> None:
+        """Clean exit: reduce what is still unreduced, reshard everything."""
+        self.tracker.warn_if_short()
+        self._check_sentinels()
+        if self._pending_unreduced:
+            self._flush_gradients()
+        self._drop_unused_sentinels()
+        self._reshard_all()
+        self._state._comm_ctx.post_forward_order.clear()
+        for group in self._groups:
+            group._post_forward_indices.clear()
+
+    def _abort(self) -> None:
+        """Exception exit: no collectives (other ranks may not be here)."""
+        reset = getattr(self.model, "reset_iter_state", None)
+        if reset is not None:
+            reset()
+        else:
+            state_enum = _training_state_enum()
+            for state in self._states:
+                state._training_state = state_enum.IDLE
+                state._modules_to_run_forward.clear()
+            self._state._state_ctx.post_backward_final_callback_queued = False
+            self._state._state_ctx.iter_forward_root = None
+            self._state._comm_ctx.post_forward_order.clear()
+            for group in self._groups:
+                group._training_state = state_enum.IDLE
+                group._post_forward_indices.clear()
+                group._all_gather_result = None
+        for group in self._groups:
+            for fsdp_param in group.fsdp_params:
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    fsdp_param._unsharded_param.grad = None
+                fsdp_param.unsharded_accumulated_grad = None
+        self._drop_unused_sentinels()
+        self._reshard_all()
+
+    def _reshard_all(self) -> None:
+        state_enum = _training_state_enum()
+        for group in self._groups:
+            if not group.is_sharded:
+                with group.use_training_state(state_enum.IDLE):
+                    group.reshard()
+        self._swapped.clear()
+
+    # Pass boundaries #
+    def _wrap_pass_start(self, state: Any, original):
+        def register_final_callback() -> None:
+            if not self._state._state_ctx.post_backward_final_callback_queued:
+                self._on_pass_start()
+                original()
+                _queue_callback(self._on_pass_end)
+            else:
+                original()
+
+        return register_final_callback
+
+    def _on_pass_start(self) -> None:
+        index = self.tracker.begin()
+        opts = self.options
+        ctx = self._state._comm_ctx
+        if index == 1:
+            self._prefetch = (
+                list(ctx.post_forward_order),
+                [list(g._post_forward_indices) for g in self._groups],
+            )
+        elif not opts.keep_unsharded and self._prefetch is not None:
+            order, indices = self._prefetch
+            ctx.post_forward_order[:] = order
+            for group, group_indices in zip(self._groups, indices):
+                group._post_forward_indices[:] = group_indices
+        self._show_unsharded()
+        if opts.sync_grads == "last":
+            self._check_sentinels()
+        final = opts.backwards is not None and index >= opts.backwards
+        if final:
+            for group, saved in self._saved_groups:
+                group.reshard_after_backward = True
+                if opts.sync_grads == "last":
+                    group.reduce_grads = saved["reduce_grads"]
+                    group.all_reduce_grads = saved["all_reduce_grads"]
+        self._pending_unreduced = opts.sync_grads == "last" and not final
+
+    def _on_pass_end(self) -> None:
+        self.tracker.end()
+        if self.options.keep_unsharded:
+            self._show_sharded()
+        if self._pending_unreduced:
+            self._record_sentinels()
+
+    # Between passes: show sharded parameters, keep unsharded storage #
+    def _show_sharded(self) -> None:
+        for group in self._groups:
+            if group.is_unsharded and id(group) not in self._swapped:
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param._setattr_on_modules(fsdp_param.sharded_param)
+                self._swapped.add(id(group))
+
+    def _show_unsharded(self) -> None:
+        if not self._swapped:
+            return
+        for group in self._groups:
+            if id(group) in self._swapped:
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param._setattr_on_modules(fsdp_param._unsharded_param)
+        self._swapped.clear()
+
+    def _show_unsharded_before_forward(self, module: nn.Module, args: Any) -> None:
+        self._show_unsharded()
+
+    # sync_grads="last": detect zero_grad() between passes #
+    def _record_sentinels(self) -> None:
+        """Marks each sharded ``.grad`` so that a ``zero_grad()`` can be seen later.
+
+        With gradients held back as unsharded tensors, the sharded ``.grad`` the
+        optimizer clears is not where they live. A parameter with pending
+        gradients gets a zero ``.grad`` if it has none; if that tensor is later
+        replaced, set to None or zeroed in place, the pending gradients go too.
+        """
+        for group in self._groups:
+            for fsdp_param in group.fsdp_params:
+                if not _has_pending_grad(fsdp_param):
+                    continue
+                param = fsdp_param.sharded_param
+                old = self._sentinels.get(fsdp_param)
+                created = param.grad is None or (old is not None and old.created)
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                self._sentinels[fsdp_param] = _Sentinel(
+                    param.grad, _grad_version(param.grad), created
+                )
+
+    def _check_sentinels(self) -> None:
+        for fsdp_param, sentinel in list(self._sentinels.items()):
+            grad = fsdp_param.sharded_param.grad
+            if grad is sentinel.grad and _grad_version(grad) == sentinel.version:
+                continue
+            if hasattr(fsdp_param, "_unsharded_param"):
+                fsdp_param._unsharded_param.grad = None
+            fsdp_param.unsharded_accumulated_grad = None
+            del self._sentinels[fsdp_param]
+
+    def _drop_unused_sentinels(self) -> None:
+        """Removes the zero ``.grad`` this block created where nothing was added."""
+        for fsdp_param, sentinel in self._sentinels.items():
+            param = fsdp_param.sharded_param
+            if (
+                sentinel.created
+                and param.grad is sentinel.grad
+                and _grad_version(param.grad) == sentinel.version
+            ):
+                param.grad = None
+        self._sentinels.clear()
+
+    def _flush_gradients(self) -> None:
+        """Reduce-scatters the held-back gradients, as FSDP2's last backward would."""
+        for group, saved in self._saved_groups:
+            group.reduce_grads = saved["reduce_grads"]
+            group.all_reduce_grads = saved["all_reduce_grads"]
+            group.reshard_after_backward = True
+        self._pending_unreduced = False
+        if not any(saved["reduce_grads"] for _, saved in self._saved_groups):
+            return  # the user asked FSDP2 not to sync (gradient accumulation)
+        self._show_unsharded()
+        self._sentinels.clear()  # the reduction adds onto them; keep them
+        final_callback = require_attr(
+            self._state, "_root_post_backward_final_callback", _FLAVOUR
+        )
+        final_callback()
+
+
+def _has_pending_grad(fsdp_param: Any) -> bool:
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return (unsharded is not None and unsharded.grad is not None) or (
+        fsdp_param.unsharded_accumulated_grad is not None
+    )

@@ -1,0 +1,224 @@
+"""Run many distributed test cases inside one multi-process launch (CPU, gloo).
+
+A cases module registers functions with ``@registry.case``; pytest launches
+all ranks once per module (``launch``), every rank runs every case in order
+with a barrier after each, and each case becomes one pytest test that fails
+with every rank's traceback and output tail.
+
+Usage in a test file::
+
+    from tests import cases_fsdp2
+    from tests.harness import launch, check_case
+
+    @pytest.fixture(scope="module")
+    def results():
+        return launch("tests.cases_fsdp2", world_size=2, timeout=600)
+
+    @pytest.mark.parametrize("name", cases_fsdp2.registry.names(world_size=2))
+    def test_fsdp2(results, name):
+        check_case(results, name)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    fn: Callable[[], None]
+    world_sizes: tuple[int, ...]
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.cases: dict[str, Case] = {}
+
+    def case(self, name: str | None = None, *, world_sizes: tuple[int, ...] = (2,)):
+        def register(fn: Callable[[], None]) -> Callable[[], None]:
+            case_name = name or fn.__name__
+            if case_name in self.cases:
+                raise ValueError(f"duplicate case name {case_name!r}")
+            self.cases[case_name] = Case(case_name, fn, world_sizes)
+            return fn
+
+        return register
+
+    def add(self, name: str, fn: Callable[[], None], *, world_sizes=(2,)) -> None:
+        self.case(name, world_sizes=world_sizes)(fn)
+
+    def names(self, world_size: int) -> list[str]:
+        return [c.name for c in self.cases.values() if world_size in c.world_sizes]
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    world_size: int
+    returncodes: list[int | None]
+    per_rank: list[dict[str, dict]]  # rank -> case name -> {"ok", "error", "seconds"}
+    outputs: list[str]
+    timed_out: bool
+
+    def output_tail(self, chars: int = 4000) -> str:
+        parts = []
+        for rank, out in enumerate(self.outputs):
+            parts.append(f"----- rank {rank} (exit {self.returncodes[rank]}) -----")
+            parts.append(out[-chars:])
+        return "\n".join(parts)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(
+    module: str,
+    world_size: int = 2,
+    *,
+    timeout: float = 600,
+    cases: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> LaunchResult:
+    """Spawns ``world_size`` ranks that run the cases of ``module``; returns their results."""
+    mod = importlib.import_module(module)
+    names = cases if cases is not None else mod.registry.names(world_size)
+    workdir = Path(tempfile.mkdtemp(prefix="fsdp_retain_launch_"))
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(world_size):
+        rank_env = dict(os.environ)
+        rank_env.update(env or {})
+        rank_env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=os.pathsep.join(
+                [str(ROOT)] + [p for p in [rank_env.get("PYTHONPATH")] if p]
+            ),
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+        )
+        log = open(workdir / f"rank{rank}.log", "w+")
+        logs.append(log)
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.harness",
+            "--module",
+            module,
+            "--out",
+            str(workdir),
+            "--cases",
+            ",".join(names),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=log, stderr=log)
+        )
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    for proc in procs:
+        remaining = deadline - time.monotonic()
+        try:
+            proc.wait(timeout=max(remaining, 0.1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    if timed_out:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    per_rank = []
+    for rank in range(world_size):
+        path = workdir / f"results_rank{rank}.json"
+        per_rank.append(json.loads(path.read_text()) if path.exists() else {})
+    return LaunchResult(
+        world_size, [p.returncode for p in procs], per_rank, outputs, timed_out
+    )
+
+
+def check_case(result: LaunchResult, name: str) -> None:
+    """Fails (with every rank's error and output) unless ``name`` passed on all ranks."""
+    problems = []
+    for rank, cases in enumerate(result.per_rank):
+        entry = cases.get(name)
+        if entry is None:
+            problems.append(f"rank {rank}: case did not run")
+        elif not entry["ok"]:
+            problems.append(f"rank {rank}:\n{entry['error']}")
+    if problems:
+        why = " (launch timed out)" if result.timed_out else ""
+        raise AssertionError(
+            f"case {name!r} failed{why}\n"
+            + "\n".join(problems)
+            + "\n\n"
+            + result.output_tail()
+        )
+
+
+def _worker(module: str, out: Path, names: list[str]) -> int:
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    mod = importlib.import_module(module)
+    results: dict[str, dict] = {}
+    path = out / f"results_rank{rank}.json"
+    for name in names:
+        case = mod.registry.cases[name]
+        start = time.perf_counter()
+        print(f"[rank {rank}] case {name} ...", flush=True)
+        try:
+            case.fn()
+            results[name] = {"ok": True, "error": None}
+        except BaseException:  # noqa: BLE001 - report everything, keep going
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+            print(results[name]["error"], flush=True)
+        results[name]["seconds"] = round(time.perf_counter() - start, 3)
+        path.write_text(json.dumps(results))
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer failed; stop here
+            print(f"[rank {rank}] barrier after {name} failed", flush=True)
+            return 1
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--module", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--cases", required=True)
+    args = parser.parse_args()
+    return _worker(args.module, args.out, [n for n in args.cases.split(",") if n])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""FSDP2 (fully_shard) parity grid, CPU/gloo, world size 2, one launch.
+
+Every combination of passes (2, 3), zero_grad between passes or not,
+keep_unsharded, sync_grads, backwards known or not, reshard_after_forward for
+the blocks, and a tied weight: parameters, losses and gradients (after every
+pass with sync_grads="every") match an unsharded reference over 3 SGD-momentum
+steps, and the collective counts match the formulas in tests/fsdp2_utils.py.
+"""
+
+import pytest
+
+from tests import cases_fsdp2
+from tests.harness import check_case, launch
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch("tests.cases_fsdp2", world_size=2, timeout=900)
+
+
+@pytest.mark.parametrize("name", cases_fsdp2.registry.names(world_size=2))
+def test_fsdp2(results, name):
+    check_case(results, name)
