@@ -80,9 +80,10 @@ def _queue_callback(fn) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
-def _grad_version(grad: torch.Tensor) -> int:
+def _grad_version(grad: torch.Tensor) -> tuple[int, int]:
+    # In-place ops on a DTensor bump the DTensor's counter, not the local one's.
     local = getattr(grad, "_local_tensor", grad)
-    return local._version
+    return grad._version, local._version
 
 
 def fsdp2_param_groups(model: nn.Module) -> list[Any]:
@@ -98,7 +99,7 @@ def fsdp2_param_groups(model: nn.Module) -> list[Any]:
 @dataclasses.dataclass
 class _Sentinel:
     grad: torch.Tensor
-    version: int
+    version: tuple[int, int]
     created: bool
 
 
@@ -163,6 +164,8 @@ class FSDP2Block:
         self._deferred_hook.remove()
         self._deferred_hook = None
         if self._state._is_root is False:
+            # We are inside the real root's forward; leave FSDP2 clean before raising.
+            _reset_iteration(self._state._state_ctx.all_states[0])
             raise ValueError(
                 "no_reshard_between_backwards got a non-root FSDP2 unit: another FSDP2 "
                 "module ran forward first and became the root. Pass that root module."
@@ -236,21 +239,7 @@ class FSDP2Block:
 
     def _abort(self) -> None:
         """Exception exit: no collectives (other ranks may not be here)."""
-        reset = getattr(self.model, "reset_iter_state", None)
-        if reset is not None:
-            reset()
-        else:
-            state_enum = _training_state_enum()
-            for state in self._states:
-                state._training_state = state_enum.IDLE
-                state._modules_to_run_forward.clear()
-            self._state._state_ctx.post_backward_final_callback_queued = False
-            self._state._state_ctx.iter_forward_root = None
-            self._state._comm_ctx.post_forward_order.clear()
-            for group in self._groups:
-                group._training_state = state_enum.IDLE
-                group._post_forward_indices.clear()
-                group._all_gather_result = None
+        _reset_iteration(self._state)
         for group in self._groups:
             for fsdp_param in group.fsdp_params:
                 if hasattr(fsdp_param, "_unsharded_param"):
@@ -393,8 +382,66 @@ class FSDP2Block:
         final_callback()
 
 
+def _reset_iteration(root_state: Any) -> None:
+    """Reshards everything and clears per-iteration state, without collectives."""
+    reset = getattr(root_state, "_reset_iter_state", None)
+    if reset is not None:
+        reset()
+        return
+    state_enum = _training_state_enum()  # torch without reset_iter_state
+    ctx = require_attr(root_state, "_state_ctx", _FLAVOUR)
+    for state in ctx.all_states:
+        state._training_state = state_enum.IDLE
+        getattr(state, "_modules_to_run_forward", set()).clear()
+        for group in state._fsdp_param_groups:
+            group._training_state = state_enum.IDLE
+            group._post_forward_indices.clear()
+            group._all_gather_result = None
+            group._to_sharded()
+    ctx.post_backward_final_callback_queued = False
+    ctx.iter_forward_root = None
+    root_state._comm_ctx.post_forward_order.clear()
+
+
 def _has_pending_grad(fsdp_param: Any) -> bool:
     unsharded = getattr(fsdp_param, "_unsharded_param", None)
     return (unsharded is not None and unsharded.grad is not None) or (
         fsdp_param.unsharded_accumulated_grad is not None
     )
+
+
+def fsdp2_snapshot(model: nn.Module) -> dict[str, Any]:
+    """FSDP2 state the block may touch, for tests: flags, sharded state, hooks."""
+    snap: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        snap[f"{name}:hooks"] = (
+            len(module._forward_pre_hooks),
+            len(module._forward_hooks),
+            len(module._backward_hooks),
+        )
+        if not is_fsdp2_module(module):
+            continue
+        state = module._get_fsdp_state()
+        snap[f"{name}:state"] = (
+            str(state._training_state),
+            _PASS_START_HOOK in state.__dict__,
+            state._auto_reshard_after_forward,
+        )
+        for i, group in enumerate(state._fsdp_param_groups):
+            snap[f"{name}:group{i}"] = tuple(
+                repr(getattr(group, flag)) for flag in _GROUP_FLAGS
+            ) + (str(group._sharded_state), str(group._training_state))
+    snap["active"] = getattr(model, ACTIVE_ATTR, False)
+    return snap
+
+
+def fsdp2_all_sharded(model: nn.Module) -> bool:
+    """True if every unit is sharded and no unsharded parameter owns memory."""
+    for group in fsdp2_param_groups(model):
+        if not group.is_sharded:
+            return False
+        for fsdp_param in group.fsdp_params:
+            for tensor in fsdp_param.all_gather_outputs:
+                if tensor.untyped_storage().size() != 0:
+                    return False
+    return True

@@ -22,8 +22,14 @@ class CollectiveCounts:
     reduce_scatter: int = 0
     all_reduce: int = 0
     by_op: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Bytes of the unsharded side of each collective (the all-gather output,
+    # the reduce-scatter input, the all-reduced tensor), as seen by one rank.
+    all_gather_bytes: int = 0
+    reduce_scatter_bytes: int = 0
+    all_reduce_bytes: int = 0
     _mode: object = dataclasses.field(default=None, repr=False)
     _excluded: Counter = dataclasses.field(default_factory=Counter, repr=False)
+    _excluded_bytes: Counter = dataclasses.field(default_factory=Counter, repr=False)
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -32,14 +38,65 @@ class CollectiveCounts:
             "all_reduce": self.all_reduce,
         }
 
+    def bytes_dict(self) -> dict[str, int]:
+        return {
+            "all_gather": self.all_gather_bytes,
+            "reduce_scatter": self.reduce_scatter_bytes,
+            "all_reduce": self.all_reduce_bytes,
+        }
+
     @contextlib.contextmanager
     def excluded(self) -> Iterator[None]:
         """Collectives issued in this nested block are not counted."""
         before = Counter(self._mode.get_comm_counts())
+        before_bytes = Counter(self._mode.comm_bytes)
         try:
             yield
         finally:
             self._excluded.update(Counter(self._mode.get_comm_counts()) - before)
+            self._excluded_bytes.update(Counter(self._mode.comm_bytes) - before_bytes)
+
+
+def _tensor_bytes(value) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _unsharded_bytes(args, kwargs, out) -> int:
+    """The largest tensor (or tensor list) among a collective's arguments and result."""
+    values = list(args) + list((kwargs or {}).values()) + [out]
+    return max((_tensor_bytes(v) for v in values), default=0)
+
+
+def _comm_mode_class():
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    class _ByteCountingCommMode(CommDebugMode):
+        """``CommDebugMode`` that also adds up the bytes of each collective it counts."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.comm_bytes: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = dict(self.comm_counts)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if out is not NotImplemented:
+                for op, n in self.comm_counts.items():
+                    if n != before.get(op, 0):
+                        self.comm_bytes[op] += _unsharded_bytes(args, kwargs, out)
+            return out
+
+        def __enter__(self):
+            self.comm_bytes.clear()
+            return super().__enter__()
+
+    return _ByteCountingCommMode
 
 
 @contextlib.contextmanager
@@ -47,8 +104,12 @@ def count_collectives() -> Iterator[CollectiveCounts]:
     """Counts all-gathers, reduce-scatters and all-reduces issued in the block.
 
     Uses ``torch.distributed.tensor.debug.CommDebugMode``, which sees both the
-    c10d ops FSDP1/FSDP2 call and functional collectives. The counts are filled
-    in when the block exits.
+    c10d ops FSDP1/FSDP2 call and functional collectives. The counts (and the
+    ``*_bytes`` fields) are filled in when the block exits.
+
+    ``CommDebugMode`` (torch 2.13) fails on a second forward of the same
+    modules inside one block: count each forward and its backward passes in
+    their own block and add the results up.
 
     Example::
 
@@ -57,17 +118,18 @@ def count_collectives() -> Iterator[CollectiveCounts]:
             loss.backward()
         print(counts.all_gather, counts.reduce_scatter)
     """
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    mode = CommDebugMode()
+    mode = _comm_mode_class()()
     counts = CollectiveCounts(_mode=mode)
     with mode:
         yield counts
     totals = Counter(mode.get_comm_counts()) - counts._excluded
+    total_bytes = Counter(mode.comm_bytes) - counts._excluded_bytes
     for op, n in totals.items():
         name = str(op).split(".")[-1].lower()
         counts.by_op[name] = counts.by_op.get(name, 0) + n
         for kind, needles in _KINDS.items():
             if any(needle in name for needle in needles):
                 setattr(counts, kind, getattr(counts, kind) + n)
+                bytes_field = f"{kind}_bytes"
+                setattr(counts, bytes_field, getattr(counts, bytes_field) + total_bytes[op])
                 break

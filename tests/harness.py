@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -186,6 +187,9 @@ def _worker(module: str, out: Path, names: list[str]) -> int:
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
+    # Known noise: CommDebugMode's module tracker, and FSDP2 on Linear outputs.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     mod = importlib.import_module(module)
     results: dict[str, dict] = {}

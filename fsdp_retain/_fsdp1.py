@@ -1,0 +1,540 @@
+"""FSDP1 (``FullyShardedDataParallel``) backend. All private FSDP1 access lives here.
+
+See [Note: why a retained graph needs unsharded storage] in ``_common.py``.
+
+What the block does to FSDP1, per ``FlatParamHandle`` (one per unit):
+
+- Every reshard goes through ``_should_free``, the block's version of FSDP's
+  ``_should_free_in_backward``: with ``keep_unsharded=True`` no unsharded flat
+  parameter is freed (neither after forward nor after backward) until the
+  last known pass or the block exit, so the forward's all-gather serves every
+  backward. With ``keep_unsharded=False`` every pass frees, as FSDP does.
+- After each pass (FSDP's root final callback has run) the block undoes what
+  that callback assumes about "the" backward: it re-registers the post-backward
+  hook on each ``AccumulateGrad`` (so later passes reduce gradients), and for
+  units whose storage was freed it sets ``_needs_pre_backward_unshard`` again,
+  puts back the forward's views ``FlatParameter._tensors`` that
+  ``use_orig_params=True`` re-points in the pre-backward unshard, and the
+  forward order FSDP uses for backward prefetching.
+- ``sync_grads="last"`` runs the passes under ``_sync_gradients=False``, FSDP1's
+  ``no_sync()`` state: unsharded gradients accumulate locally and are reduced
+  by the last known pass, or at block exit by FSDP's own post-backward hook
+  and final callback. Between passes ``.grad`` holds these local gradients, as
+  in ``no_sync()``.
+
+Pass boundaries: a gradient hook on the root's forward outputs, registered
+after FSDP's own pre-backward hook, starts a pass and queues a callback that
+the autograd engine runs after FSDP's root final callback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import traceback
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ._common import (
+    ACTIVE_ATTR,
+    PassTracker,
+    RetainOptions,
+    missing_internal,
+    require_attr,
+    warn_once,
+)
+
+_FLAVOUR = "FSDP1"
+_RUNTIME_FUNCTIONS = (
+    "_lazy_init",
+    "_register_post_backward_hook",
+    "_post_backward_hook",
+    "_post_backward_final_callback",
+    "_reshard",
+)
+
+
+@functools.cache
+def _internals() -> types.SimpleNamespace:
+    """The private FSDP1 pieces the block uses, or an error naming the torch version."""
+    try:
+        from torch.distributed.fsdp import _runtime_utils
+        from torch.distributed.fsdp._common_utils import (
+            HandleTrainingState,
+            TrainingState,
+        )
+        from torch.distributed.utils import _apply_to_tensors
+    except ImportError as exc:
+        raise missing_internal(str(exc), _FLAVOUR) from None
+    found = {
+        name: require_attr(_runtime_utils, name, _FLAVOUR) for name in _RUNTIME_FUNCTIONS
+    }
+    return types.SimpleNamespace(
+        TrainingState=TrainingState,
+        HandleTrainingState=HandleTrainingState,
+        apply_to_tensors=_apply_to_tensors,
+        **{name.lstrip("_"): fn for name, fn in found.items()},
+    )
+
+
+def fsdp1_handles(model: nn.Module) -> list[Any]:
+    """The ``FlatParamHandle`` of every FSDP1 unit under ``model`` that has parameters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    handles = []
+    for module in FullyShardedDataParallel.fsdp_modules(model):
+        handle = require_attr(module, "_handle", _FLAVOUR)
+        if handle is not None:
+            handles.append(handle)
+    return handles
+
+
+def unsharded_storage_bytes(model: nn.Module) -> int:
+    """Bytes held by the unsharded flat parameters of ``model`` (0 when all are freed)."""
+    total = 0
+    for handle in fsdp1_handles(model):
+        if handle.uses_sharded_strategy:
+            padded = require_attr(handle.flat_param, "_full_param_padded", _FLAVOUR)
+            total += padded.untyped_storage().nbytes()
+    return total
+
+
+def _queue_callback(fn) -> None:
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(fn)
+
+
+def _loud(fn):
+    """Autograd may swallow errors raised in hooks and callbacks: print them first."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            print(f"[rank {rank}] fsdp_retain FSDP1 error:\n{traceback.format_exc()}")
+            raise
+
+    return wrapper
+
+
+@dataclasses.dataclass
+class _Sentinel:
+    """The ``.grad`` tensors a unit showed at the end of a pass (see ``_check_sentinels``)."""
+
+    flat_grad: torch.Tensor | None
+    version: int
+    param_grads: tuple[torch.Tensor | None, ...]
+    param_versions: tuple[int, ...]
+
+    def changed_in_place(self) -> bool:
+        # FSDP's unsharded gradient views (``no_sync``) do not share the flat
+        # gradient's version counter, so look at both.
+        return _version(self.flat_grad) != self.version or any(
+            _version(g) != v for g, v in zip(self.param_grads, self.param_versions)
+        )
+
+
+def _version(t: torch.Tensor | None) -> int:
+    return -1 if t is None else t._version
+
+
+class FSDP1Block:
+    """One ``no_reshard_between_backwards`` block on an FSDP1 root."""
+
+    def __init__(self, model: nn.Module, options: RetainOptions) -> None:
+        self.model = model
+        self.options = options
+        self.tracker = PassTracker(options.backwards)
+        self._fsdp = _internals()
+        self._phase = self._fsdp.HandleTrainingState
+        if require_attr(model, "_is_root", _FLAVOUR) is False:
+            raise ValueError(_non_root_message(model))
+        if model.cpu_offload.offload_params:
+            raise ValueError(
+                "no_reshard_between_backwards does not support FSDP1 with "
+                "CPUOffload(offload_params=True): its gradients live in a CPU copy "
+                "that FSDP1 only supports for one backward per iteration. Turn "
+                "parameter offloading off for this model."
+            )
+        self._installed = False
+        self._deferred_hook = None
+        self._hooks: list[Any] = []
+        self._states: list[Any] = []
+        self._handles: list[tuple[Any, Any]] = []  # (state, handle)
+        self._saved_sync: list[tuple[Any, bool]] = []
+        self._freeing = False  # final pass started or block exiting
+        self._pass_open = False
+        # Captured after each forward, replayed before passes that re-gather.
+        self._regather: set[Any] = set()
+        self._forward_tensors: dict[Any, list[Any]] = {}
+        self._forward_order: list[Any] = []
+        self._forward_indices: dict[Any, int | None] = {}
+        self._sentinels: dict[Any, _Sentinel] = {}
+
+    @property
+    def backward_passes(self) -> int:
+        return self.tracker.started
+
+    # Entering and leaving #
+    def enter(self) -> None:
+        setattr(self.model, ACTIVE_ATTR, True)
+        try:
+            if self.model._is_root is None:
+                # FSDP1 picks its root lazily at the first forward; install then.
+                self._deferred_hook = self.model.register_forward_pre_hook(
+                    self._install_at_first_forward, prepend=True
+                )
+            else:
+                self._install()
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def exit(self, exc: BaseException | None) -> None:
+        try:
+            if not self._installed:
+                return
+            if exc is None:
+                self._finish()
+            else:
+                self._abort()
+        finally:
+            self._uninstall()
+
+    def _install_at_first_forward(self, module: nn.Module, args: Any) -> None:
+        self._deferred_hook.remove()
+        self._deferred_hook = None
+        if self.model._is_root is False:
+            raise ValueError(_non_root_message(self.model))
+        self._fsdp.lazy_init(self.model, self.model)
+        self._install()
+
+    def _install(self) -> None:
+        self._states = list(require_attr(self.model, "_all_fsdp_states", _FLAVOUR))
+        for state in self._states:
+            handle = require_attr(state, "_handle", _FLAVOUR)
+            if handle is not None:
+                self._handles.append((state, handle))
+        self._saved_sync = [
+            (s, require_attr(s, "_sync_gradients", _FLAVOUR)) for s in self._states
+        ]
+        self._installed = True
+        for _, handle in self._handles:
+            original = require_attr(handle, "reshard", _FLAVOUR)
+            handle.reshard = functools.partial(self._reshard, handle, original)
+        self._hooks.append(self.model.register_forward_hook(self._after_forward))
+        if self.options.sync_grads == "last":
+            for state in self._states:
+                state._sync_gradients = False
+
+    def _uninstall(self) -> None:
+        if self._deferred_hook is not None:
+            self._deferred_hook.remove()
+            self._deferred_hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for _, handle in self._handles:
+            handle.__dict__.pop("reshard", None)
+        self._restore_sync()
+        self._handles.clear()
+        self._installed = False
+        if getattr(self.model, ACTIVE_ATTR, False):
+            delattr(self.model, ACTIVE_ATTR)
+
+    def _restore_sync(self) -> None:
+        for state, value in self._saved_sync:
+            state._sync_gradients = value
+
+    def _finish(self) -> None:
+        """Clean exit: reduce what is still unreduced, reshard everything."""
+        self._freeing = True
+        self.tracker.warn_if_short()
+        if self.options.sync_grads == "last":
+            self._check_sentinels()
+        self._restore_sync()
+        if self._needs_flush():
+            self._flush_gradients()
+        self._reshard_all()
+        self._reset_iteration_state()
+
+    def _abort(self) -> None:
+        """Exception exit: no collectives (other ranks may not be here)."""
+        self._freeing = True
+        pending_local = self.options.sync_grads == "last" or self.tracker.in_backward
+        self._restore_sync()
+        self._reset_iteration_state()
+        self._reshard_all()
+        for _, handle in self._handles:
+            self._drop_unreduced(handle, pending_local)
+
+    # The keep/free decision #
+    def _should_free(self, handle: Any, fsdp_free: bool) -> bool:
+        """Whether a reshard of ``handle`` frees its unsharded flat parameter.
+
+        ``fsdp_free`` is FSDP's own answer (``_post_forward_reshard``,
+        ``_should_free_in_backward``). See [Note: why a retained graph needs
+        unsharded storage].
+        """
+        if not handle.uses_sharded_strategy:
+            return False
+        phase = handle._training_state
+        if phase == self._phase.FORWARD:  # post-forward reshard
+            return fsdp_free and not self.options.keep_unsharded
+        if phase in (self._phase.BACKWARD_PRE, self._phase.BACKWARD_POST):
+            if self.options.keep_unsharded:
+                return self._freeing
+            # Free even where FSDP's no_sync() heuristic keeps SHARD_GRAD_OP
+            # unsharded: keep_unsharded=False promises no memory between passes.
+            return True
+        return fsdp_free  # summon_full_params and the like
+
+    def _reshard(self, handle: Any, original, free_unsharded_flat_param: bool) -> None:
+        original(self._should_free(handle, free_unsharded_flat_param))
+
+    # Forward and pass boundaries #
+    @_loud
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return output
+        self._regather = {h for _, h in self._handles if h._needs_pre_backward_unshard}
+        self._forward_tensors = {
+            h: list(h.flat_param._tensors)
+            for _, h in self._handles
+            if h._use_orig_params and h.flat_param._tensors is not None
+        }
+        order = require_attr(self.model, "_exec_order_data", _FLAVOUR)
+        self._forward_order = list(order.handles_post_forward_order)
+        self._forward_indices = {h: h._post_forward_index for _, h in self._handles}
+
+        def register(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                self._hooks.append(t.register_hook(self._pass_start_hook))
+            return t
+
+        return self._fsdp.apply_to_tensors(register, output)
+
+    def _pass_start_hook(self, grad: torch.Tensor) -> None:
+        if not self._pass_open:
+            self._on_pass_start()
+
+    @_loud
+    def _on_pass_start(self) -> None:
+        # FSDP's root pre-backward hook ran just before (registered first) and
+        # queued its final callback; ours runs after it.
+        self._pass_open = True
+        _queue_callback(self._on_pass_end)
+        index = self.tracker.begin()
+        if index > 1:
+            self._check_sentinels()
+        if self.options.backwards is not None and index >= self.options.backwards:
+            self._freeing = True
+            self._restore_sync()
+
+    @_loud
+    def _on_pass_end(self) -> None:
+        self._pass_open = False
+        self.tracker.end()
+        fsdp = self._fsdp
+        regather = False
+        for state, handle in self._handles:
+            flat_param = handle.flat_param
+            if flat_param.requires_grad:
+                # FSDP's final callback removed it; later passes must reduce too.
+                with torch.enable_grad():
+                    fsdp.register_post_backward_hook(state, handle)
+            if handle in self._regather and handle.needs_unshard():
+                regather = True
+                handle._needs_pre_backward_unshard = True
+                tensors = self._forward_tensors.get(handle)
+                if tensors is not None:
+                    # use_orig_params=True re-points these views in the
+                    # pre-backward unshard; FSDP dropped them after backward.
+                    flat_param._tensors[:] = tensors
+        if regather:
+            self.model._exec_order_data.handles_post_forward_order[:] = self._forward_order
+            for _, handle in self._handles:
+                handle._post_forward_index = self._forward_indices.get(handle)
+        self._record_sentinels()
+
+    # Exit helpers #
+    def _reshard_all(self) -> None:
+        """Frees every unit's unsharded flat parameter; communicates nothing."""
+        idle = self._phase.IDLE
+        for state, handle in self._handles:
+            handle._training_state = idle
+            if handle.uses_sharded_strategy and not handle.needs_unshard():
+                self._fsdp.reshard(state, handle, True)
+
+    def _reset_iteration_state(self) -> None:
+        """Leaves FSDP as its root final callback does after a backward."""
+        for state in self._states:
+            state.training_state = self._fsdp.TrainingState.IDLE
+        self.model._post_backward_callback_queued = False
+        self.model._exec_order_data.handles_post_forward_order.clear()
+        for _, handle in self._handles:
+            flat_param = handle.flat_param
+            hook_state = getattr(flat_param, "_post_backward_hook_state", None)
+            if hook_state is not None:
+                hook_state[-1].remove()
+                del flat_param._post_backward_hook_state
+            handle._training_state = self._phase.IDLE
+            handle._needs_pre_backward_unshard = False
+            handle._ran_pre_backward_hook = False
+            handle._prefetched = False
+            handle._post_forward_index = None
+            if handle in self._forward_tensors:
+                flat_param._tensors[:] = [None] * len(flat_param._tensors)
+        self._forward_tensors.clear()
+        self._regather.clear()
+        self._sentinels.clear()
+
+    def _drop_unreduced(self, handle: Any, pending_local: bool) -> None:
+        flat_param = handle.flat_param
+        grad = flat_param.grad
+        if handle.uses_sharded_strategy:
+            if grad is not None and grad.shape != flat_param._sharded_size:
+                grad = None
+            saved = flat_param.__dict__.pop("_saved_grad_shard", None)
+            if grad is None:
+                grad = saved
+        elif pending_local:
+            grad = None  # NO_SHARD: reduced and local gradients share one tensor
+        flat_param.grad = grad
+        if handle._use_orig_params:
+            handle._use_sharded_grad_views()
+
+    # sync_grads="last" #
+    def _needs_flush(self) -> bool:
+        if self.options.sync_grads != "last" or not all(s for _, s in self._saved_sync):
+            return False  # nothing held back, or the user is inside FSDP's no_sync()
+        return any(self._has_unreduced(h) for _, h in self._handles)
+
+    @staticmethod
+    def _has_unreduced(handle: Any) -> bool:
+        flat_param = handle.flat_param
+        return flat_param.grad is not None and getattr(
+            flat_param, "_post_backward_called", False
+        )
+
+    def _flush_gradients(self) -> None:
+        """Reduces the held-back gradients with FSDP's own post-backward path."""
+        fsdp = self._fsdp
+        for state in self._states:
+            state.training_state = fsdp.TrainingState.FORWARD_BACKWARD
+        for state, handle in self._handles:
+            flat_param = handle.flat_param
+            if self._has_unreduced(handle):
+                handle._training_state = self._phase.BACKWARD_PRE
+                fsdp.post_backward_hook(state, handle, flat_param)
+            elif not hasattr(flat_param, "_saved_grad_shard"):
+                # Nothing to hand to .grad (e.g. dropped by zero_grad()).
+                flat_param._post_backward_called = False
+        fsdp.post_backward_final_callback(self.model, self.model)
+
+    def _record_sentinels(self) -> None:
+        """Remembers the ``.grad`` each unit shows, to see a ``zero_grad()`` later.
+
+        With ``sync_grads="last"`` the gradients of earlier passes are local
+        unsharded tensors in ``.grad`` (as in ``no_sync()``), while gradients
+        from before the block sit aside in ``_saved_grad_shard``. With
+        ``use_orig_params=True`` FSDP drops a unit's gradient only when all of
+        its parameters' ``.grad`` are None. The sentinels let ``_check_sentinels``
+        apply a ``zero_grad()`` between passes to all of these.
+        """
+        self._sentinels.clear()
+        for _, handle in self._handles:
+            flat_param = handle.flat_param
+            params = tuple(flat_param._params or ()) if handle._use_orig_params else ()
+            grads = tuple(p.grad for p in params)
+            if flat_param.grad is None and all(g is None for g in grads):
+                continue
+            self._sentinels[handle] = _Sentinel(
+                flat_param.grad,
+                _version(flat_param.grad),
+                grads,
+                tuple(_version(g) for g in grads),
+            )
+
+    def _check_sentinels(self) -> None:
+        for handle, sentinel in self._sentinels.items():
+            self._apply_zero_grad(handle, sentinel)
+        self._sentinels.clear()
+
+    def _apply_zero_grad(self, handle: Any, sentinel: _Sentinel) -> None:
+        flat_param = handle.flat_param
+        last = self.options.sync_grads == "last"
+        if not handle._use_orig_params:
+            grad = flat_param.grad
+            if not last or not hasattr(flat_param, "_saved_grad_shard"):
+                return
+            if grad is not sentinel.flat_grad:
+                del flat_param._saved_grad_shard  # set to None or replaced
+            elif sentinel.changed_in_place():
+                if not grad.any():
+                    del flat_param._saved_grad_shard  # zeroed in place
+                else:
+                    _warn_in_place()
+            return
+        params = flat_param._params
+        # Only None counts: FSDP itself replaces the views (summon_full_params).
+        cleared = [
+            i
+            for i, (param, old) in enumerate(zip(params, sentinel.param_grads))
+            if old is not None and param.grad is None
+        ]
+        for i in cleared:
+            # The old .grad is a view into the unit's flat gradient (sharded with
+            # "every", local unsharded with "last"): zero the parameter's part.
+            sentinel.param_grads[i].zero_()
+        all_none = all(p.grad is None for p in params)
+        if all_none:
+            flat_param.grad = None
+        if not last or not hasattr(flat_param, "_saved_grad_shard"):
+            return
+        if all_none:
+            del flat_param._saved_grad_shard
+            return
+        if sentinel.changed_in_place():
+            zeroed = {
+                i
+                for i, g in enumerate(sentinel.param_grads)
+                if g is not None and not g.any()
+            }
+            cleared = sorted(set(cleared) | zeroed)
+        self._zero_saved_shard(handle, cleared)
+
+    @staticmethod
+    def _zero_saved_shard(handle: Any, indices: list[int]) -> None:
+        flat_param = handle.flat_param
+        saved = flat_param._saved_grad_shard
+        for i in indices:
+            info = flat_param._shard_param_infos[i]
+            if info.in_shard:
+                offset = info.offset_in_shard
+                saved[offset : offset + info.numel_in_shard].zero_()
+
+
+def _warn_in_place() -> None:
+    warn_once(
+        "fsdp1-inplace-grad",
+        "fsdp_retain: with sync_grads='last', FSDP1 keeps gradients from before the "
+        "block apart from .grad (in _saved_grad_shard); an in-place change of .grad "
+        "between passes reaches them only where it zeroes a whole parameter.",
+    )
+
+
+def _non_root_message(model: nn.Module) -> str:
+    return (
+        f"no_reshard_between_backwards got a non-root FSDP1 unit "
+        f"({type(model).__name__}): another FullyShardedDataParallel module ran "
+        "forward first and became the root. Pass that outermost "
+        "FullyShardedDataParallel module, whose forward runs the others."
+    )
