@@ -26,17 +26,27 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 ADAPTER = Adapter(full_params=full_params, full_grads=full_grads)
 
 
-def wrap(model: nn.Module, reshard_after_forward: bool = True, **kwargs) -> nn.Module:
-    """``fully_shard`` each block, then the root (nested units, FSDP2's root default)."""
+def wrap(
+    model: nn.Module,
+    reshard_after_forward: bool = True,
+    wrapped_blocks: list[int] | None = None,
+    **kwargs,
+) -> nn.Module:
+    """``fully_shard`` each block (or those listed), then the root (FSDP2's root default)."""
     mesh = init_device_mesh("cpu", (world(),))
-    for block in model.blocks:
+    for i, block in enumerate(model.blocks):
+        if wrapped_blocks is not None and i not in wrapped_blocks:
+            continue
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
     return model
 
 
 def units(model: nn.Module) -> int:
-    return len(model.blocks) + 1
+    """FSDP units with parameters: the wrapped blocks and the root."""
+    from fsdp_retain._fsdp2 import fsdp2_param_groups
+
+    return len(fsdp2_param_groups(model))
 
 
 def expected_all_gathers(

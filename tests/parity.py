@@ -113,10 +113,18 @@ class Scenario:
     options: dict = dataclasses.field(default_factory=dict)
     use_block: bool = True
     check_between: bool = True  # compare .grad after each pass ("every" only)
+    zero_before: tuple[int, ...] | None = None  # passes preceded by zero_grad()
+    dim: int = DIM  # input width
+
+    def zeroes_before(self, index: int) -> bool:
+        if self.zero_before is not None:
+            return index in self.zero_before
+        return self.zero_between and index > 0
 
     def describe(self) -> str:
         return (
             f"passes={self.passes} zero_between={self.zero_between} "
+            f"zero_before={self.zero_before} "
             f"options={self.options} use_block={self.use_block}"
         )
 
@@ -134,7 +142,7 @@ def reference_step(ref: nn.Module, opt, x: torch.Tensor, scenario: Scenario):
     out = ref(x)
     losses, grads_after_pass = [], []
     for i in range(scenario.passes):
-        if scenario.zero_between and i > 0:
+        if scenario.zeroes_before(i):
             opt.zero_grad()
         loss = LOSSES[i % len(LOSSES)](out)
         loss.backward(retain_graph=i < scenario.passes - 1)
@@ -162,7 +170,7 @@ def fsdp_step(
         with block:
             out = model(x)
             for i in range(scenario.passes):
-                if scenario.zero_between and i > 0:
+                if scenario.zeroes_before(i):
                     opt.zero_grad()
                 loss = LOSSES[i % len(LOSSES)](out)
                 loss.backward(retain_graph=i < scenario.passes - 1)
@@ -199,7 +207,7 @@ def run_parity(
     fsdp_opt, ref_opt = sgd(fsdp_model), sgd(ref_model)
     all_counts = []
     for step in range(scenario.steps):
-        x = batch(step)
+        x = batch(step, scenario.dim)
         ref_losses, ref_grads = reference_step(ref_model, ref_opt, x, scenario)
         losses, grads, counts = fsdp_step(fsdp_model, fsdp_opt, x, scenario, adapter)
         all_counts.append(counts)
