@@ -123,6 +123,16 @@ class PassTracker:
             )
 
 
+def create_graph_needs_keep() -> RuntimeError:
+    """Backward hooks run with grad mode on only under ``create_graph=True``."""
+    return RuntimeError(
+        "no_reshard_between_backwards: a backward with create_graph=True (higher-order "
+        "gradients, gradient penalties) needs keep_unsharded=True. The gradient graph "
+        "it builds uses the unsharded parameters outside FSDP's hooks, so they cannot "
+        "be re-gathered per layer in a later backward."
+    )
+
+
 def missing_internal(what: str, flavour: str) -> RuntimeError:
     """Error for a private torch internal that this torch version lacks."""
     return RuntimeError(

@@ -33,6 +33,7 @@ from ._common import (
     ACTIVE_ATTR,
     PassTracker,
     RetainOptions,
+    create_graph_needs_keep,
     missing_internal,
     require_attr,
 )
@@ -269,8 +270,10 @@ class FSDP2Block:
         return register_final_callback
 
     def _on_pass_start(self) -> None:
-        index = self.tracker.begin()
         opts = self.options
+        if torch.is_grad_enabled() and not opts.keep_unsharded:
+            raise create_graph_needs_keep()
+        index = self.tracker.begin()
         ctx = self._state._comm_ctx
         if index == 1:
             self._prefetch = (
