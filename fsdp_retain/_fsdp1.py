@@ -20,7 +20,10 @@ What the block does to FSDP1, per ``FlatParamHandle`` (one per unit):
   ``no_sync()`` state: unsharded gradients accumulate locally and are reduced
   by the last known pass, or at block exit by FSDP's own post-backward hook
   and final callback. Between passes ``.grad`` holds these local gradients, as
-  in ``no_sync()``.
+  in ``no_sync()``; a ``zero_grad()`` between passes is applied to them and to
+  the gradients FSDP holds aside from before the block (``_record_sentinels``).
+- ``create_graph=True`` backwards need ``keep_unsharded=True`` (refused
+  otherwise); FSDP1's hooks work under it as long as nothing is re-gathered.
 
 Pass boundaries: a gradient hook on the root's forward outputs, registered
 after FSDP's own pre-backward hook, starts a pass and queues a callback that
@@ -43,15 +46,17 @@ from ._common import (
     ACTIVE_ATTR,
     PassTracker,
     RetainOptions,
+    create_graph_needs_keep,
     missing_internal,
     require_attr,
     warn_once,
 )
 
 _FLAVOUR = "FSDP1"
+# Where FSDP1 keeps a flat parameter's (AccumulateGrad, hook handle).
+_HOOK_STATE = "_post_backward_hook_state"
 _RUNTIME_FUNCTIONS = (
     "_lazy_init",
-    "_register_post_backward_hook",
     "_post_backward_hook",
     "_post_backward_final_callback",
     "_reshard",
@@ -126,7 +131,7 @@ def _loud(fn):
 
 @dataclasses.dataclass
 class _Sentinel:
-    """The ``.grad`` tensors a unit showed at the end of a pass (see ``_check_sentinels``)."""
+    """The ``.grad`` tensors a unit showed at the end of a pass (see ``_record_sentinels``)."""
 
     flat_grad: torch.Tensor | None
     version: int
@@ -156,7 +161,7 @@ class FSDP1Block:
         self._phase = self._fsdp.HandleTrainingState
         if require_attr(model, "_is_root", _FLAVOUR) is False:
             raise ValueError(_non_root_message(model))
-        if model.cpu_offload.offload_params:
+        if require_attr(model, "cpu_offload", _FLAVOUR).offload_params:
             raise ValueError(
                 "no_reshard_between_backwards does not support FSDP1 with "
                 "CPUOffload(offload_params=True): its gradients live in a CPU copy "
@@ -176,6 +181,7 @@ class FSDP1Block:
         self._forward_tensors: dict[Any, list[Any]] = {}
         self._forward_order: list[Any] = []
         self._forward_indices: dict[Any, int | None] = {}
+        self._acc_grads: dict[Any, Any] = {}
         self._sentinels: dict[Any, _Sentinel] = {}
 
     @property
@@ -229,6 +235,9 @@ class FSDP1Block:
         for _, handle in self._handles:
             original = require_attr(handle, "reshard", _FLAVOUR)
             handle.reshard = functools.partial(self._reshard, handle, original)
+            if self.options.sync_grads == "last":
+                original = require_attr(handle, "pre_unshard", _FLAVOUR)
+                handle.pre_unshard = functools.partial(self._pre_unshard, handle, original)
         self._hooks.append(self.model.register_forward_hook(self._after_forward))
         if self.options.sync_grads == "last":
             for state in self._states:
@@ -243,6 +252,7 @@ class FSDP1Block:
         self._hooks.clear()
         for _, handle in self._handles:
             handle.__dict__.pop("reshard", None)
+            handle.__dict__.pop("pre_unshard", None)
         self._restore_sync()
         self._handles.clear()
         self._installed = False
@@ -257,8 +267,7 @@ class FSDP1Block:
         """Clean exit: reduce what is still unreduced, reshard everything."""
         self._freeing = True
         self.tracker.warn_if_short()
-        if self.options.sync_grads == "last":
-            self._check_sentinels()
+        self._check_sentinels()
         self._restore_sync()
         if self._needs_flush():
             self._flush_gradients()
@@ -313,6 +322,14 @@ class FSDP1Block:
         order = require_attr(self.model, "_exec_order_data", _FLAVOUR)
         self._forward_order = list(order.handles_post_forward_order)
         self._forward_indices = {h: h._post_forward_index for _, h in self._handles}
+        # The AccumulateGrad nodes of this graph. Not the flat parameter's
+        # current one: with mixed precision the forward ran on low-precision
+        # data, and switching .data to another dtype gives a new node.
+        self._acc_grads = {}
+        for _, handle in self._handles:
+            hook_state = getattr(handle.flat_param, _HOOK_STATE, ())
+            if len(hook_state) == 2:
+                self._acc_grads[handle] = hook_state[0]
 
         def register(t: torch.Tensor) -> torch.Tensor:
             if t.requires_grad:
@@ -329,11 +346,12 @@ class FSDP1Block:
     def _on_pass_start(self) -> None:
         # FSDP's root pre-backward hook ran just before (registered first) and
         # queued its final callback; ours runs after it.
+        if torch.is_grad_enabled() and not self.options.keep_unsharded:
+            raise create_graph_needs_keep()
         self._pass_open = True
         _queue_callback(self._on_pass_end)
         index = self.tracker.begin()
-        if index > 1:
-            self._check_sentinels()
+        self._check_sentinels()  # units whose pre-backward has not run yet
         if self.options.backwards is not None and index >= self.options.backwards:
             self._freeing = True
             self._restore_sync()
@@ -343,25 +361,29 @@ class FSDP1Block:
         self._pass_open = False
         self.tracker.end()
         fsdp = self._fsdp
-        regather = False
         for state, handle in self._handles:
             flat_param = handle.flat_param
-            if flat_param.requires_grad:
+            acc_grad = self._acc_grads.get(handle)
+            if acc_grad is not None and not hasattr(flat_param, _HOOK_STATE):
                 # FSDP's final callback removed it; later passes must reduce too.
-                with torch.enable_grad():
-                    fsdp.register_post_backward_hook(state, handle)
-            if handle in self._regather and handle.needs_unshard():
-                regather = True
+                hook = acc_grad.register_hook(
+                    functools.partial(fsdp.post_backward_hook, state, handle)
+                )
+                setattr(flat_param, _HOOK_STATE, (acc_grad, hook))
+            if handle in self._regather:
+                # The pre-backward unshard all-gathers only if the storage was
+                # freed; it also shows the unsharded views that activation
+                # checkpointing recomputes with.
                 handle._needs_pre_backward_unshard = True
                 tensors = self._forward_tensors.get(handle)
                 if tensors is not None:
                     # use_orig_params=True re-points these views in the
                     # pre-backward unshard; FSDP dropped them after backward.
                     flat_param._tensors[:] = tensors
-        if regather:
-            self.model._exec_order_data.handles_post_forward_order[:] = self._forward_order
-            for _, handle in self._handles:
-                handle._post_forward_index = self._forward_indices.get(handle)
+        # The forward order drives FSDP's backward prefetching.
+        self.model._exec_order_data.handles_post_forward_order[:] = self._forward_order
+        for _, handle in self._handles:
+            handle._post_forward_index = self._forward_indices.get(handle)
         self._record_sentinels()
 
     # Exit helpers #
@@ -381,10 +403,10 @@ class FSDP1Block:
         self.model._exec_order_data.handles_post_forward_order.clear()
         for _, handle in self._handles:
             flat_param = handle.flat_param
-            hook_state = getattr(flat_param, "_post_backward_hook_state", None)
+            hook_state = getattr(flat_param, _HOOK_STATE, None)
             if hook_state is not None:
                 hook_state[-1].remove()
-                del flat_param._post_backward_hook_state
+                delattr(flat_param, _HOOK_STATE)
             handle._training_state = self._phase.IDLE
             handle._needs_pre_backward_unshard = False
             handle._ran_pre_backward_hook = False
@@ -393,6 +415,7 @@ class FSDP1Block:
             if handle in self._forward_tensors:
                 flat_param._tensors[:] = [None] * len(flat_param._tensors)
         self._forward_tensors.clear()
+        self._acc_grads.clear()
         self._regather.clear()
         self._sentinels.clear()
 
@@ -440,16 +463,18 @@ class FSDP1Block:
         fsdp.post_backward_final_callback(self.model, self.model)
 
     def _record_sentinels(self) -> None:
-        """Remembers the ``.grad`` each unit shows, to see a ``zero_grad()`` later.
+        """Remembers the ``.grad`` each unit shows, to apply a ``zero_grad()`` later.
 
         With ``sync_grads="last"`` the gradients of earlier passes are local
         unsharded tensors in ``.grad`` (as in ``no_sync()``), while gradients
-        from before the block sit aside in ``_saved_grad_shard``. With
-        ``use_orig_params=True`` FSDP drops a unit's gradient only when all of
-        its parameters' ``.grad`` are None. The sentinels let ``_check_sentinels``
-        apply a ``zero_grad()`` between passes to all of these.
+        from before the block sit aside in ``_saved_grad_shard``. FSDP alone
+        would keep those, and with ``use_orig_params=True`` it zeroes a
+        cleared parameter's gradient at its *sharded* offset in the unsharded
+        gradient (``_writeback_orig_params``), i.e. the wrong elements.
         """
         self._sentinels.clear()
+        if self.options.sync_grads != "last" or self._freeing:
+            return
         for _, handle in self._handles:
             flat_param = handle.flat_param
             params = tuple(flat_param._params or ()) if handle._use_orig_params else ()
@@ -464,16 +489,23 @@ class FSDP1Block:
             )
 
     def _check_sentinels(self) -> None:
-        for handle, sentinel in self._sentinels.items():
-            self._apply_zero_grad(handle, sentinel)
-        self._sentinels.clear()
+        for handle in list(self._sentinels):
+            self._check_sentinel(handle)
 
-    def _apply_zero_grad(self, handle: Any, sentinel: _Sentinel) -> None:
+    def _pre_unshard(self, handle: Any, original) -> bool:
+        # Before FSDP's gradient writeback in the pre-backward unshard.
+        if handle._training_state == self._phase.BACKWARD_PRE:
+            self._check_sentinel(handle)
+        return original()
+
+    def _check_sentinel(self, handle: Any) -> None:
+        sentinel = self._sentinels.pop(handle, None)
+        if sentinel is None:
+            return
         flat_param = handle.flat_param
-        last = self.options.sync_grads == "last"
         if not handle._use_orig_params:
             grad = flat_param.grad
-            if not last or not hasattr(flat_param, "_saved_grad_shard"):
+            if not hasattr(flat_param, "_saved_grad_shard"):
                 return
             if grad is not sentinel.flat_grad:
                 del flat_param._saved_grad_shard  # set to None or replaced
@@ -484,23 +516,21 @@ class FSDP1Block:
                     _warn_in_place()
             return
         params = flat_param._params
-        # Only None counts: FSDP itself replaces the views (summon_full_params).
+        if all(p.grad is None for p in params):
+            flat_param.grad = None
+            flat_param.__dict__.pop("_saved_grad_shard", None)
+            return
         cleared = [
             i
             for i, (param, old) in enumerate(zip(params, sentinel.param_grads))
             if old is not None and param.grad is None
         ]
-        for i in cleared:
-            # The old .grad is a view into the unit's flat gradient (sharded with
-            # "every", local unsharded with "last"): zero the parameter's part.
-            sentinel.param_grads[i].zero_()
-        all_none = all(p.grad is None for p in params)
-        if all_none:
-            flat_param.grad = None
-        if not last or not hasattr(flat_param, "_saved_grad_shard"):
-            return
-        if all_none:
-            del flat_param._saved_grad_shard
+        if cleared:
+            for i in cleared:
+                sentinel.param_grads[i].zero_()  # a view into the flat gradient
+            # Show them again, so FSDP's writeback has nothing to "fix".
+            handle._use_unsharded_grad_views()
+        if not hasattr(flat_param, "_saved_grad_shard"):
             return
         if sentinel.changed_in_place():
             zeroed = {
