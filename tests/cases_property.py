@@ -1,7 +1,8 @@
 """Property-based parity with hypothesis (CPU, gloo, world size 2).
 
 Random depth, width, which blocks are wrapped, a tied weight, number of passes,
-before which passes ``zero_grad()`` runs, the block's options and the backend.
+before which passes ``zero_grad()`` runs, the block's options and the backend
+(FSDP2, or FSDP1 FULL_SHARD / SHARD_GRAD_OP / NO_SHARD, flat or original params).
 Every rank draws the same examples (``derandomize=True``); a failure names the
 drawn configuration and hypothesis prints the falsifying example.
 Run inside ranks by ``tests/test_property.py``.
@@ -9,17 +10,23 @@ Run inside ranks by ``tests/test_property.py``.
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+from tests import fsdp1_utils as f1
 from tests import fsdp2_utils as f2
 from tests.harness import Registry
 from tests.parity import LOSSES, Scenario, make_net, reference_copy, run_parity
 
 registry = Registry()
-EXAMPLES = int(os.environ.get("FSDP_RETAIN_PROPERTY_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("FSDP_RETAIN_PROPERTY_EXAMPLES", "60"))
 
 
 @st.composite
@@ -43,13 +50,36 @@ def configurations(draw):
 
 
 def _backends() -> list[str]:
-    return ["fsdp2"]
+    return ["fsdp2", "fsdp1_full", "fsdp1_gradop", "fsdp1_noshard", "fsdp1_full_orig"]
+
+
+def _wrap(model, config):
+    """Wraps the drawn blocks and the root; returns (adapter, units, counts check)."""
+    backend = config["backend"]
+    if backend == "fsdp2":
+        f2.wrap(model, reshard_after_forward=config["raf"], wrapped_blocks=config["wrapped"])
+        return model, f2.ADAPTER, f2.units(model), True
+    strategy = {
+        "full": f1.FULL, "gradop": f1.GRAD_OP, "noshard": f1.NO_SHARD
+    }[backend.split("_")[1]]
+    chosen = {model.blocks[i] for i in config["wrapped"]}
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m in chosen)
+    wrapped = FSDP(
+        model,
+        auto_wrap_policy=policy,
+        sharding_strategy=strategy,
+        use_orig_params=backend.endswith("_orig"),
+        device_id=torch.device("cpu"),
+    )
+    units = f1.units(wrapped)
+    sharded = strategy != f1.NO_SHARD
+    return wrapped, f1.ADAPTER, units, sharded
 
 
 def _check(config: dict) -> None:
     model = make_net(depth=config["depth"], tied=config["tied"], dim=config["dim"])
     ref = reference_copy(model)
-    f2.wrap(model, reshard_after_forward=config["raf"], wrapped_blocks=config["wrapped"])
+    model, adapter, units, sharded = _wrap(model, config)
     scenario = Scenario(
         passes=config["passes"],
         zero_before=config["zero_before"],
@@ -64,13 +94,17 @@ def _check(config: dict) -> None:
     )
 
     def expect(counts) -> None:
-        if config["keep"]:
-            assert counts.all_gather == f2.units(model), (counts.by_op, config)
-        rs = f2.units(model) * (config["passes"] if config["sync"] == "every" else 1)
-        assert counts.reduce_scatter == rs, (counts.by_op, config)
+        reductions = units * (config["passes"] if config["sync"] == "every" else 1)
+        if sharded:
+            if config["keep"]:
+                assert counts.all_gather == units, (counts.by_op, config)
+            assert counts.reduce_scatter == reductions, (counts.by_op, config)
+        else:
+            assert counts.all_gather == counts.reduce_scatter == 0, (counts.by_op, config)
+            assert counts.all_reduce == reductions, (counts.by_op, config)
 
     try:
-        run_parity(model, ref, scenario, f2.ADAPTER, expect)
+        run_parity(model, ref, scenario, adapter, expect)
     except AssertionError as exc:
         raise AssertionError(f"configuration {config}: {exc}") from exc
 
@@ -87,6 +121,9 @@ def property_parity() -> None:
     )
     @given(configurations())
     def prop(config):
+        seen.add(config["backend"])
         _check(config)
 
+    seen: set[str] = set()
     prop()
+    assert seen == set(_backends()), f"examples did not cover every backend: {seen}"
