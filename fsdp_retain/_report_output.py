@@ -1,0 +1,253 @@
+"""Writes a memory report (``_report.py``) as ``report.json``, ``report.md`` and ``report.png``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["render_markdown", "render_png", "write_report"]
+
+_BREAKDOWN = ("sharded_params", "unsharded_params", "grads", "activations", "other")
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def _unit(rows: list[dict]) -> tuple[str, int]:
+    largest = max((r["peak_bytes"] or 0 for r in rows), default=0)
+    for name, size in _UNITS:
+        if largest >= 10 * size:
+            return name, size
+    return "KiB", 2**10
+
+
+def _num(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _mode_cell(row: dict) -> str:
+    return f"`{row['label']}`"
+
+
+def _mib(value: int | None) -> str:
+    return _num(None if value is None else value / 2**20)
+
+
+def _ms(value: float | None, fmt: str = "{:.1f}") -> str:
+    return _num(None if value is None else 1e3 * value, fmt)
+
+
+def _header(cfg: dict, unit: str, size: int) -> list[str]:
+    simulated = " (simulated: fake process group and fake tensors)" if cfg["simulated"] else ""
+    unsharded = (cfg["unsharded_param_bytes"] or 0) / size
+    return [
+        "# fsdp-retain: memory, time and communication per mode",
+        "",
+        f"Command: `{cfg['command']}`" if cfg.get("command") else "",
+        "",
+        f"- {cfg['model']}: {cfg['layers']} layers, hidden {cfg['hidden']}, intermediate "
+        f"{cfg['intermediate']}, {cfg['heads']} heads ({cfg['kv_heads']} KV), vocab "
+        f"{cfg['vocab']}, {(cfg['param_count'] or 0) / 1e6:.1f}M params ({cfg['dtype']}, "
+        f"unsharded {unsharded:.1f} {unit}); batch {cfg['batch_per_rank']} x "
+        f"{cfg['seq_len']} tokens per rank.",
+        f"- {cfg['device_name']}, {cfg['process_group']} process group, world size "
+        f"{cfg['world_size']}{simulated}; torch {cfg['torch']}, transformers "
+        f"{cfg['transformers']}.",
+        "- One step: one forward (two for `two_forward`), a token log-prob loss backward, a "
+        "policy-gradient loss backward (random advantages), SGD step. FSDP units: each decoder "
+        "layer plus the root. Library modes pass `backwards=2`.",
+    ]
+
+
+def _memory_table(rows: list[dict], unit: str, size: int) -> list[str]:
+    def scaled(value: int | None, fmt: str = "{:.1f}") -> str:
+        return _num(None if value is None else value / size, fmt)
+
+    lines = [
+        "## Memory (per rank, the rank with the highest peak)",
+        "",
+        f"| backend | mode | peak ({unit}) | vs two_forward ({unit}) | bound ({unit}) | within | "
+        + " | ".join(k.replace("_", " ") for k in _BREAKDOWN)
+        + " |",
+        "|---|---|--:|--:|--:|:-:|" + "--:|" * len(_BREAKDOWN),
+    ]
+    for row in rows:
+        cells = [row["backend"], _mode_cell(row)]
+        if not row["ok"]:
+            cells += ["error (see below)"] + [""] * (3 + len(_BREAKDOWN))
+        else:
+            breakdown = row["breakdown"] or {}
+            cells += [
+                scaled(row["peak_bytes"]),
+                scaled(row["memory_overhead_bytes"], "{:+.1f}"),
+                scaled(row["memory_bound_bytes"]),
+                {True: "yes", False: "**NO**", None: ""}[row["within_bound"]],
+            ]
+            cells += [scaled(breakdown.get(k, 0)) if breakdown else "-" for k in _BREAKDOWN]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _time_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "## Time and communication (per step)",
+        "",
+        "| backend | mode | step (ms) | vs two_forward | saved (ms) | share of ideal saving "
+        "| all-gathers | all-gather MiB | reduce-scatters | reduce-scatter MiB |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for row in rows:
+        if row["mode"] == "two_forward":
+            saving = [f"(2nd forward: {_ms(row['forward2_time_s'])})", "baseline"]
+        else:
+            saving = [_ms(row["saved_time_s"], "{:+.1f}"), _share(row["share_of_ideal_saving"])]
+        cells = [
+            row["backend"], _mode_cell(row), _ms(row["step_time_s"]),
+            _num(row["time_ratio"], "{:.2f}x"), *saving,
+            _num(row["all_gathers_per_step"], "{}"), _mib(row["all_gather_bytes_per_step"]),
+            _num(row["reduce_scatters_per_step"], "{}"), _mib(row["reduce_scatter_bytes_per_step"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """A table a user can paste in an issue, with the command and the setup above it."""
+    cfg, rows = report["config"], report["rows"]
+    unit, size = _unit(rows)
+    ok_rows = [r for r in rows if r["ok"]]
+    lines = _header(cfg, unit, size) + [""] + _memory_table(rows, unit, size)
+    if not cfg["simulated"]:
+        lines += [""] + _time_table(ok_rows)
+    no_breakdown = [r for r in ok_rows if r.get("breakdown_error")]
+    if no_breakdown:
+        lines += ["", "No breakdown (torch's memory tracker failed; the peak stands):", ""]
+        lines += [f"- {r['backend']} {_mode_cell(r)}: `{r['breakdown_error']}`"
+                  for r in no_breakdown]
+    failed = [r for r in rows if not r["ok"]]
+    if failed:
+        lines += ["", "## Errors", ""]
+        lines += [f"- {r['backend']} {_mode_cell(r)}: `{r['error']}`" for r in failed]
+        if cfg["simulated"]:
+            lines.append("- (Simulated: an error may come from fake tensors, not from FSDP.)")
+    lines += ["", "## How to read this", ""]
+    lines += _notes(cfg, rows)
+    return "\n".join(lines) + "\n"
+
+
+def _notes(cfg: dict, rows: list[dict]) -> list[str]:
+    sources = sorted({r["memory_source"] for r in rows if r["ok"] and r["memory_source"]})
+    trackers = sorted({(r["breakdown_detail"] and "tracker") or "" for r in rows} - {""})
+    notes = [
+        f"- Peak: {', '.join(sources) or 'n/a'}; breakdown at the peak from torch's "
+        "`FSDPMemTracker` (FSDP2) or `MemTracker` (FSDP1; all-gather outputs count as "
+        "unsharded params, reduced tensors as grads). `other`: gradients of activations "
+        "and other temporaries of backward, inputs, buffers, optimizer state."
+        if trackers else "- Peak: n/a.",
+        "- Bounds on the overhead against `two_forward`: `keep` at most the unsharded params of "
+        "all units +10% (with `sync_grads=\"last\"` also their unsharded grads, which wait for the "
+        "last backward); `regather` at most 5% of the `two_forward` peak.",
+    ]
+    if not cfg["simulated"]:
+        notes += [
+            f"- Step time: median of {cfg['timed_steps']} steps after {cfg['warmup_steps']} "
+            "warm-up step(s), all modes interleaved step by step, no instrumentation; a step "
+            "lasts until its slowest rank is done. Ideal saving: the median time of the second "
+            "forward (with its all-gathers) in `two_forward`, timed in extra steps of its own. "
+            "Share of ideal saving = saved / ideal; above 100% the mode also saves "
+            "communication the ideal does not count (the backward re-gathers of units that "
+            "resharded after forward).",
+            "- Collectives: one step under `CommDebugMode`; bytes are the unsharded side per "
+            "rank (all-gather output, reduce-scatter input).",
+        ]
+        if cfg["world_size"] == 1 and "fsdp1" in cfg["backends"]:
+            notes.append(
+                "- World size 1: FSDP1 switches to `NO_SHARD` (no all-gathers, parameters "
+                "never freed), so its rows only show the cost of the second forward; FSDP2 "
+                "still frees and re-gathers (a local copy)."
+            )
+        if cfg["device"] == "cpu":
+            notes.append(
+                "- CPU (gloo) timings: compare the ratios, not the absolute times; a shared CPU "
+                "adds noise."
+            )
+    return notes
+
+
+def render_png(report: dict[str, Any], path: Path) -> None:
+    """Peak memory (stacked by breakdown) and step time per mode, one bar per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg, rows = report["config"], report["rows"]
+    unit, size = _unit(rows)
+    names = [r["backend"] + "\n" + r["label"].replace(":", "\n") for r in rows]
+    xs = list(range(len(rows)))
+    timed = not cfg["simulated"]
+    panels = 2 if timed else 1
+    width = max(8.0, 1.2 * len(rows)) * panels / 1.4
+    fig, axes = plt.subplots(1, panels, figsize=(width, 4.8), squeeze=False)
+    ax = axes[0][0]
+    bottom = [0.0] * len(rows)
+    for key in _BREAKDOWN:
+        heights = [((r["breakdown"] or {}).get(key, 0) / size) if r["ok"] else 0 for r in rows]
+        ax.bar(xs, heights, bottom=bottom, label=key.replace("_", " "))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for x, row in zip(xs, rows):
+        if not row["ok"]:
+            ax.text(x, 0, "error", ha="center", va="bottom", color="red", rotation=90)
+        elif row["peak_bytes"] is not None:
+            ax.plot([x - 0.4, x + 0.4], [row["peak_bytes"] / size] * 2, color="black", lw=1)
+    ax.set_ylabel(f"peak memory per rank ({unit})")
+    ax.set_title("Peak memory (black line: reported peak)")
+    ax.set_xticks(xs, names, fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if timed:
+        ax = axes[0][1]
+        times = [1e3 * r["step_time_s"] if r["ok"] and r["step_time_s"] else 0 for r in rows]
+        ax.bar(xs, times, color="tab:gray")
+        for x, row in zip(xs, rows):
+            if not row["ok"]:
+                ax.text(x, 0, "error", ha="center", va="bottom", color="red", rotation=90)
+            elif row["mode"] == "two_forward" and row["forward2_time_s"]:
+                same = [i for i, r in zip(xs, rows) if r["backend"] == row["backend"]]
+                ideal = 1e3 * (row["step_time_s"] - row["forward2_time_s"])
+                ax.hlines(ideal, min(same) - 0.4, max(same) + 0.4, ls="--", lw=0.8,
+                          color="tab:green")
+        ax.set_ylabel("median step time (ms)")
+        ax.set_title("Median step time (dashed: two_forward minus its 2nd forward)")
+        ax.set_xticks(xs, names, fontsize=7)
+    simulated = " (simulated)" if cfg["simulated"] else ""
+    fig.suptitle(
+        f"{cfg['model']} {cfg['param_count'] / 1e6:.1f}M params, {cfg['dtype']}, "
+        f"{cfg['device']} world size {cfg['world_size']}{simulated}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Writes the three files; returns their paths and the Markdown text."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Any] = {
+        "json": out_dir / "report.json",
+        "md": out_dir / "report.md",
+        "png": out_dir / "report.png",
+    }
+    paths["json"].write_text(json.dumps(report, indent=2) + "\n")
+    text = render_markdown(report)
+    paths["md"].write_text(text)
+    try:
+        render_png(report, paths["png"])
+    except ImportError as exc:  # matplotlib is an optional dependency
+        print(f"[report] no report.png: {exc} (pip install matplotlib)", flush=True)
+        del paths["png"]
+    paths["md_text"] = text
+    return paths

@@ -1,0 +1,240 @@
+"""The memory report (scripts/memory_report.py) on a tiny Qwen2, CPU/gloo, world size 2.
+
+One launch runs both backends (fsdp2, fsdp1) and the five default modes
+(two_forward, naive, keep:every, keep:last, regather:every) with 1 warm-up and
+3 timed steps; the tests read the returned report and the files it wrote.
+A second run of the script (a subprocess) simulates the same 2 ranks with a
+fake process group and is compared with the real run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_retain._report import DEFAULT_MODES, Mode, ReportConfig, run_report
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ("fsdp2", "fsdp1")
+ROW_KEYS = {
+    "mode": str, "label": str, "backend": str, "ok": bool, "world_size": int,
+    "simulated": bool, "fsdp_units": int, "timed_steps": int,
+}
+OPTIONAL_KEYS = (
+    "sync_grads", "error", "peak_bytes", "peak_bytes_per_rank", "memory_source",
+    "tracker_peak_bytes", "breakdown", "breakdown_detail", "step_time_s", "forward2_time_s",
+    "all_gathers_per_step", "reduce_scatters_per_step", "all_gather_bytes_per_step",
+    "reduce_scatter_bytes_per_step", "time_ratio", "saved_time_s", "ideal_saving_s",
+    "share_of_ideal_saving", "memory_overhead_bytes", "memory_bound_bytes", "within_bound",
+)
+BREAKDOWN_KEYS = {"sharded_params", "unsharded_params", "grads", "activations", "other"}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    cfg = ReportConfig(backends=BACKENDS, size="tiny", warmup=1, steps=3, out=str(out),
+                       timeout=600, command="tests/test_report.py")
+    return run_report(cfg), out
+
+
+def rows_of(report, backend=None, mode=None):
+    return [
+        r for r in report["rows"]
+        if (backend is None or r["backend"] == backend) and (mode is None or r["mode"] == mode)
+    ]
+
+
+def row(report, backend, label):
+    (found,) = [r for r in report["rows"] if r["backend"] == backend and r["label"] == label]
+    return found
+
+
+def fsdp1_backend_present() -> bool:
+    return importlib.util.find_spec("fsdp_retain._fsdp1") is not None
+
+
+def test_every_row_present(report):
+    rep, _ = report
+    got = [(r["backend"], r["label"]) for r in rep["rows"]]
+    assert sorted(got) == sorted(itertools.product(BACKENDS, DEFAULT_MODES))
+
+
+def test_json_schema_and_file(report):
+    rep, out = report
+    assert json.loads((out / "report.json").read_text()) == rep
+    assert set(rep) == {"config", "rows"}
+    cfg = rep["config"]
+    for key in ("command", "device", "world_size", "dtype", "layers", "hidden", "seq_len",
+                "batch_per_rank", "param_count", "unsharded_param_bytes", "timed_steps", "torch"):
+        assert key in cfg, key
+    assert cfg["world_size"] == 2 and cfg["device"] == "cpu" and cfg["timed_steps"] == 3
+    for r in rep["rows"]:
+        for key, typ in ROW_KEYS.items():
+            assert isinstance(r[key], typ), (r["label"], key, r[key])
+        for key in OPTIONAL_KEYS:
+            assert key in r, (r["label"], key)
+        assert r["ok"] == (r["error"] is None), r
+        assert r["sync_grads"] == Mode.parse(r["label"]).sync_grads
+        if r["ok"]:
+            assert set(r["breakdown"]) == BREAKDOWN_KEYS
+            assert len(r["peak_bytes_per_rank"]) == 2
+            assert r["peak_bytes"] == max(r["peak_bytes_per_rank"]) > 0
+            # The breakdown partitions the tracker's peak (CPU: that is the peak).
+            assert sum(r["breakdown"].values()) == r["tracker_peak_bytes"] == r["peak_bytes"]
+
+
+def test_fsdp2_rows_ok_and_fsdp1_baseline_ok(report):
+    rep, _ = report
+    for r in rows_of(rep, "fsdp2"):
+        assert r["ok"], r["error"]
+    assert row(rep, "fsdp1", "two_forward")["ok"]
+
+
+def test_fsdp1_naive_records_the_crash(report):
+    """Plain FSDP1 frees the storage a retained graph needs: the row records the error."""
+    r = row(report[0], "fsdp1", "naive")
+    assert not r["ok"]
+    assert "RuntimeError" in r["error"] and "storage" in r["error"], r["error"]
+    assert r["peak_bytes"] is None and r["step_time_s"] is None
+
+
+def test_fsdp1_library_rows_ok_or_clear_error(report):
+    for r in rows_of(report[0], "fsdp1"):
+        if r["mode"] not in ("keep", "regather"):
+            continue
+        if fsdp1_backend_present():
+            assert r["ok"], r["error"]
+        else:
+            assert not r["ok"] and "_fsdp1" in r["error"], r["error"]
+
+
+def expected_collectives(mode: Mode, units: int) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) per step; the layers reshard after forward, the root not.
+
+    Forward: one all-gather per unit. A backward re-gathers every layer that is
+    sharded when it starts (all but the root after a forward; every unit after a
+    backward that resharded). ``keep``: one all-gather per unit per step. One
+    reduce-scatter per unit per backward, or per step with sync_grads="last".
+    """
+    layers = units - 1
+    if mode.name == "two_forward":
+        return 2 * (units + layers), 2 * units
+    if mode.name == "keep":
+        return units, units * (1 if mode.sync_grads == "last" else 2)
+    # naive (FSDP2 re-gathers by itself) and regather
+    return units + layers + units, units * (1 if mode.sync_grads == "last" else 2)
+
+
+def test_collectives_per_step(report):
+    rep, _ = report
+    cfg = rep["config"]
+    unsharded = cfg["unsharded_param_bytes"]
+    for r in rep["rows"]:
+        assert r["fsdp_units"] == cfg["layers"] + 1, r
+        if not r["ok"]:
+            continue
+        ag, rs = expected_collectives(Mode.parse(r["label"]), r["fsdp_units"])
+        where = f"{r['backend']} {r['label']}"
+        assert r["all_gathers_per_step"] == ag, where
+        assert r["reduce_scatters_per_step"] == rs, where
+        if r["mode"] == "keep":
+            # One all-gather per unit: every unsharded byte moves once (padding aside).
+            assert unsharded <= r["all_gather_bytes_per_step"] <= 1.01 * unsharded + 4096, where
+
+
+def test_keep_rows_one_all_gather_per_unit(report):
+    keep_rows = [r for r in rows_of(report[0], mode="keep") if r["ok"]]
+    assert {r["backend"] for r in keep_rows} >= {"fsdp2"}
+    for r in keep_rows:
+        assert r["all_gathers_per_step"] == r["fsdp_units"], r
+
+
+def test_memory_bounds(report):
+    """Overhead against two_forward: keep <= unsharded params of all units +10% (+ their
+    unsharded grads with sync_grads="last"); regather <= 5% of the two_forward peak."""
+    rep, _ = report
+    unsharded = rep["config"]["unsharded_param_bytes"]
+    for backend in BACKENDS:
+        base = row(rep, backend, "two_forward")
+        for r in rows_of(rep, backend):
+            if not r["ok"] or r["mode"] not in ("keep", "regather"):
+                continue
+            where = f"{backend} {r['label']}"
+            overhead = r["peak_bytes"] - base["peak_bytes"]
+            assert r["memory_overhead_bytes"] == overhead, where
+            if r["mode"] == "keep":
+                budget = 1.10 * unsharded * (2 if r["sync_grads"] == "last" else 1)
+                # keep really keeps: every unit's unsharded params are alive at the peak.
+                assert r["breakdown"]["unsharded_params"] >= 0.99 * unsharded, where
+            else:
+                budget = 0.05 * base["peak_bytes"]
+            assert overhead <= budget, f"{where}: overhead {overhead} > budget {budget:.0f}"
+            assert r["within_bound"] is True and r["memory_bound_bytes"] <= budget + 1, where
+
+
+def test_times_and_savings_fields(report):
+    rep, _ = report
+    for r in rep["rows"]:
+        if not r["ok"]:
+            continue
+        assert r["timed_steps"] == 3 and r["step_time_s"] > 0, r
+        assert r["time_ratio"] == pytest.approx(
+            r["step_time_s"] / row(rep, r["backend"], "two_forward")["step_time_s"])
+    for backend in BACKENDS:
+        base = row(rep, backend, "two_forward")
+        assert 0 < base["forward2_time_s"] < base["step_time_s"]
+        keep = row(rep, backend, "keep:every")
+        if keep["ok"]:
+            assert keep["ideal_saving_s"] == base["forward2_time_s"]
+            assert keep["share_of_ideal_saving"] == pytest.approx(
+                keep["saved_time_s"] / keep["ideal_saving_s"])
+
+
+def test_files_written(report):
+    rep, out = report
+    md = (out / "report.md").read_text()
+    for r in rep["rows"]:
+        assert f"`{r['label']}`" in md
+    assert "| backend | mode |" in md and "## Errors" in md and "setStorage" in md
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulated_world_matches_real_run(report, tmp_path):
+    """The script, as a subprocess, simulates the same 2 ranks with a fake process group."""
+    real, _ = report
+    proc = subprocess.run(
+        [sys.executable, "scripts/memory_report.py", "--simulate-world-size", "2", "--size",
+         "tiny", "--backend", "fsdp2", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sim = json.loads((tmp_path / "report.json").read_text())
+    assert sim["config"]["simulated"] and sim["config"]["world_size"] == 2
+    for r in sim["rows"]:
+        assert r["ok"] and r["simulated"] and r["step_time_s"] is None, r
+        measured = row(real, "fsdp2", r["label"])
+        assert r["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.10), r["label"]
+        assert r["breakdown"]["sharded_params"] == measured["breakdown"]["sharded_params"]
+        if r["mode"] in ("keep", "regather"):
+            assert r["within_bound"] is True, r
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(modes=("keep:every",)), "two_forward"),
+        (dict(modes=("two_forward", "keep:sometimes")), "keep:sometimes"),
+        (dict(backends=("ddp",)), "ddp"),
+        (dict(hidden=65), "hidden"),
+    ],
+)
+def test_config_errors_name_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ReportConfig(size="tiny", **kwargs)
