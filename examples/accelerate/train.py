@@ -1,0 +1,178 @@
+"""Two losses, one forward, under `accelerate launch` with FSDP and gradient accumulation.
+
+Run on GPUs (set num_processes in the config to your GPU count):
+
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate/train.py
+    accelerate launch --config_file examples/accelerate/fsdp1.yaml examples/accelerate/train.py
+
+A plain accelerate training loop that backpropagates two losses one after the
+other over one forward (`accelerator.backward(loss, retain_graph=True)`, then
+the second loss). What fsdp_retain adds is marked `# New code #`.
+
+At the end the script replays the same global batches on an unsharded copy of
+the model in each process (a plain PyTorch loop: one summed loss divided by the
+accumulation steps, one optimizer step per accumulation window) and exits with
+status 1 unless the parameters agree. That checks the whole chain: the block,
+`accelerator.backward` dividing each loss by `gradient_accumulation_steps`, and
+`accelerator.accumulate` skipping the gradient sync on all but the last
+micro-batch of a window.
+
+accelerate sets up FSDP only on accelerator backends (GPU, XPU, ...). Launched
+any other way (no GPU, `use_cpu: true`, `ACCELERATE_USE_CPU=1`, plain `python`)
+it silently falls back to independent processes or to DDP, and under DDP a
+second backward over one forward is never all-reduced: silently wrong
+gradients. This script stops with an error instead.
+"""
+
+import argparse
+import copy
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import DataLoader, TensorDataset
+
+# New code #
+from fsdp_retain import no_reshard_between_backwards
+
+
+class Block(nn.Module):  # the unit named by fsdp_transformer_layer_cls_to_wrap
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def task_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def aux_loss(out: torch.Tensor) -> torch.Tensor:
+    return 0.1 * out.pow(2).mean()
+
+
+# New code #
+def require_fsdp(accelerator: Accelerator) -> None:
+    """Stops unless accelerate really set up FSDP (see the module docstring)."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        sys.exit(
+            f"error: accelerate set up {accelerator.distributed_type.value} with "
+            f"{accelerator.num_processes} process(es) on {accelerator.device}, not FSDP. "
+            "Launch on GPUs with `accelerate launch --config_file "
+            "examples/accelerate/fsdp2.yaml examples/accelerate/train.py`. accelerate "
+            "selects FSDP only on accelerator backends; without one (or with use_cpu / "
+            "ACCELERATE_USE_CPU=1) it falls back to independent processes or DDP, and "
+            "under DDP a second backward over one forward silently skips the gradient "
+            "all-reduce."
+        )
+
+
+def fsdp_units(model: nn.Module) -> int:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return sum(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
+def replay_unsharded(model: nn.Module, seen, lr: float, accumulation: int) -> nn.Module:
+    """The same training on one process without FSDP: the reference for the check."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for x, target, sync in seen:
+        out = model(x)
+        ((task_loss(out, target) + aux_loss(out)) / accumulation).backward()
+        if sync:
+            optimizer.step()
+            optimizer.zero_grad()
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="per process")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=0.01)
+    args = parser.parse_args()
+
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    # New code #
+    require_fsdp(accelerator)
+
+    torch.manual_seed(0)
+    model = Net(args.dim, args.layers)
+    reference = copy.deepcopy(model).to(accelerator.device)  # for the check at the end
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    data = torch.Generator().manual_seed(1)
+    dataset = TensorDataset(
+        torch.randn(args.samples, args.dim, generator=data),
+        torch.randn(args.samples, args.dim, generator=data),
+    )
+    loader = DataLoader(dataset, batch_size=args.batch)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator.print(
+        f"accelerate: {accelerator.distributed_type.value} "
+        f"(fsdp_version {accelerator.state.fsdp_plugin.fsdp_version}), "
+        f"{accelerator.num_processes} processes on {accelerator.device.type}, "
+        f"gradient_accumulation_steps {accelerator.gradient_accumulation_steps}; "
+        f"model {type(model).__name__} with {fsdp_units(model)} FSDP units"
+    )
+
+    seen = []  # (global inputs, global targets, optimizer stepped) for the check
+    for epoch in range(args.epochs):
+        for x, target in loader:
+            with accelerator.accumulate(model):
+                # New code #
+                with no_reshard_between_backwards(model):
+                    out = model(x)
+                    task = task_loss(out, target)
+                    accelerator.backward(task, retain_graph=True)
+                    aux = aux_loss(out)
+                    accelerator.backward(aux)
+                optimizer.step()
+                optimizer.zero_grad()
+            global_batch = accelerator.gather(x), accelerator.gather(target)
+            seen.append((*global_batch, accelerator.sync_gradients))
+        losses = accelerator.reduce(torch.stack([task.detach(), aux.detach()]), "mean")
+        accelerator.print(f"epoch {epoch}: task loss {losses[0]:.4f}, aux loss {losses[1]:.4f}")
+
+    replay_unsharded(reference, seen, args.lr, args.gradient_accumulation_steps)
+    trained = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    expected = reference.state_dict()
+    max_diff = max((trained[k].to(v.device) - v).abs().max().item() for k, v in expected.items())
+    steps = sum(sync for _, _, sync in seen)
+    accelerator.print(
+        f"max |param difference| vs unsharded single-process replay after {steps} "
+        f"optimizer steps: {max_diff:.3g}"
+    )
+    ok = max_diff <= 1e-4
+    accelerator.print("agreement: OK" if ok else "agreement: FAILED")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The examples users copy, run as subprocesses on 2 CPU ranks (gloo), and their refusals.
+
+Each example asserts its own agreement check and exits non-zero on disagreement;
+these tests run them as subprocesses (``torchrun`` / ``accelerate launch``) and
+check the exit code and the printed figures. ``CUDA_VISIBLE_DEVICES`` is empty,
+so they take the CPU path on any machine. They run through
+``tests/count_blocks.py``, which prints the collectives of every
+``no_reshard_between_backwards`` block, checked against formulas below (under
+FSDP2 a retained graph also works without this library, only with more
+all-gathers, so agreement alone would not show that the block did anything).
+
+- quickstart.py, FSDP2 and FSDP1: parameters and the first loss's gradient norm
+  match the two-forward way; one all-gather per FSDP unit per step.
+- accelerate/train.py with fsdp2.yaml and fsdp1.yaml, through
+  ``tests/accelerate_cpu_fsdp.py`` (accelerate's FSDP setup on CPU; see its
+  docstring): accelerate really wrapped the model (FSDP version, device, wrapper
+  class and unit count printed by the script) and training with gradient
+  accumulation 2 matches an unsharded single-process replay, which divides each
+  loss by the accumulation steps itself; micro-batches inside
+  ``accelerator.accumulate`` that do not sync reduce-scatter nothing.
+- accelerate/train.py launched without the shim (accelerate falls back to
+  independent processes) and with ``ACCELERATE_USE_CPU=1`` (DDP): it refuses.
+- influence_trace.py at tiny size, FSDP2 and FSDP1, ``--mode both``: gradient
+  projections and final parameters agree between the two ways; one all-gather
+  and (``sync_grads="last"``) one reduce-scatter per FSDP unit per step.
+- The influence example's ``GradientProjector`` against per-sequence gradients
+  computed one sequence at a time (in this process, no FSDP).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.harness import ROOT
+
+EXAMPLES = ROOT / "examples"
+COUNT_BLOCKS = str(ROOT / "tests" / "count_blocks.py")
+CPU_FSDP = str(ROOT / "tests" / "accelerate_cpu_fsdp.py")
+TIMEOUT = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    full_env.update(
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+    )
+    full_env.update(env or {})
+    return subprocess.run(
+        args, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=TIMEOUT
+    )
+
+
+def _torchrun(script: str, *script_args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    return _run(cmd + [COUNT_BLOCKS, str(EXAMPLES / script), *script_args])
+
+
+def _accelerate(config: str, *script: str, env: dict[str, str] | None = None):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    cmd += ["--config_file", str(EXAMPLES / "accelerate" / config)]
+    cmd += ["--main_process_port", str(_free_port())]
+    return _run(cmd + list(script), env)
+
+
+def _number(pattern: str, out: str) -> float:
+    match = re.search(pattern, out)
+    assert match, f"no line matching {pattern!r} in the output"
+    return float(match.group(1))
+
+
+def _blocks(out: str) -> list[dict[str, int]]:
+    """The per-block collective counts printed by tests/count_blocks.py (rank 0)."""
+    lines = re.findall(r"\[count_blocks\] (.*)", out)
+    return [{k: int(v) for k, v in (kv.split("=") for kv in line.split())} for line in lines]
+
+
+def _check_ok(proc: subprocess.CompletedProcess) -> str:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{out[-6000:]}"
+    assert "agreement: OK" in proc.stdout, out[-6000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("fsdp", [2, 1])
+def test_quickstart(fsdp):
+    """quickstart.py --fsdp {2,1} (4 blocks + root), 2 CPU ranks: retain way == two-forward way."""
+    steps, units = 6, 4 + 1
+    args = ["--fsdp", str(fsdp), "--steps", str(steps), "--warmup", "1"]
+    out = _check_ok(_torchrun("quickstart.py", *args))
+    assert f"FSDP{fsdp}, 2 ranks, cpu" in out
+    assert _number(r"max \|param difference\| vs two-forward: (\S+)", out) <= 1e-4
+    assert _number(r"grad norm: (\S+)", out) <= 1e-4
+    assert _number(r"speedup (\S+)x", out) > 0  # timing under count_blocks is not meaningful
+    # keep_unsharded=True, sync_grads="every", 2 passes: U all-gathers, 2U reduce-scatters,
+    # and the all-reduce of the gradient norm the example takes between the passes.
+    expected = {"passes": 2, "all_gather": units, "reduce_scatter": 2 * units, "all_reduce": 1}
+    assert _blocks(out) == [expected] * steps
+
+
+@pytest.mark.parametrize(
+    "config, version, wrapper",
+    [("fsdp2.yaml", 2, "FSDPNet"), ("fsdp1.yaml", 1, "FullyShardedDataParallel")],
+)
+def test_accelerate_train(config, version, wrapper):
+    """accelerate launch (fsdp{2,1}.yaml, 2 CPU ranks via the shim), gradient accumulation 2."""
+    proc = _accelerate(config, CPU_FSDP, COUNT_BLOCKS, str(EXAMPLES / "accelerate" / "train.py"))
+    out = _check_ok(proc)
+    # accelerate wrapped the model itself: 3 Blocks from the config's wrap policy + the root.
+    units = 3 + 1
+    assert (
+        f"accelerate: FSDP (fsdp_version {version}), 2 processes on cpu, "
+        f"gradient_accumulation_steps 2; model {wrapper} with {units} FSDP units"
+    ) in out, out
+    # 128 samples / (8 per process * 2 processes) = 8 micro-batches per epoch, 2 epochs.
+    micro_batches, accumulation = 16, 2
+    assert _number(r"replay after (\d+) optimizer steps", out) == micro_batches // accumulation
+    assert _number(r"optimizer steps: (\S+)", out) <= 1e-4
+    # One all-gather per unit per micro-batch; accumulate's no_sync micro-batches
+    # reduce-scatter nothing, the syncing one once per unit per backward (2 passes).
+    no_sync = {"passes": 2, "all_gather": units, "reduce_scatter": 0, "all_reduce": 0}
+    sync = dict(no_sync, reduce_scatter=2 * units)
+    assert _blocks(out) == [no_sync, sync] * (micro_batches // accumulation)
+
+
+@pytest.mark.parametrize(
+    "env, fallback",
+    [({}, "NO with 1 process(es)"), ({"ACCELERATE_USE_CPU": "1"}, "MULTI_CPU with 2 process(es)")],
+    ids=["no_accelerator", "use_cpu_ddp"],
+)
+def test_accelerate_train_refuses_fallback(env, fallback):
+    """No accelerator: accelerate falls back (plain processes, or DDP); the example refuses."""
+    proc = _accelerate("fsdp2.yaml", str(EXAMPLES / "accelerate" / "train.py"), env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert f"error: accelerate set up {fallback}" in out, out[-4000:]
+    assert "not FSDP" in out
+    assert "agreement" not in proc.stdout
+
+
+@pytest.mark.parametrize("fsdp", [2, 1])
+def test_influence_trace(fsdp):
+    """influence_trace.py --size tiny (2 layers + root) --mode both --fsdp {2,1}, 2 CPU ranks."""
+    steps, units = 6, 2 + 1
+    args = ["--size", "tiny", "--fsdp", str(fsdp), "--steps", str(steps)]
+    out = _check_ok(_torchrun("influence_trace.py", *args))
+    assert f"FSDP{fsdp}, 2 ranks, cpu, float32" in out
+    assert _number(r"projections: max relative difference retain vs two_forward (\S+)", out) <= 1e-4
+    diff = _number(r"max \|difference\| (\S+)", out)
+    update = _number(r"largest update (\S+)\)", out)
+    assert update > 0 and diff <= 1e-4 * update
+    assert re.search(r"forward 2\s+\S+\s+-", out), "retain must not run a second forward"
+    assert re.search(r"retain saves -?\d+% of the step", out)
+    # keep_unsharded=True, sync_grads="last", backwards=2: U all-gathers, U reduce-scatters.
+    expected = {"passes": 2, "all_gather": units, "reduce_scatter": units, "all_reduce": 0}
+    assert _blocks(out) == [expected] * steps
+
+
+def _load_influence_trace():
+    path = EXAMPLES / "influence_trace.py"
+    spec = importlib.util.spec_from_file_location("influence_trace", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gradient_projector_matches_per_sequence_gradients():
+    """Projections from one batched backward == P_out @ dW @ P_in.T of each sequence alone."""
+    example = _load_influence_trace()
+    device = torch.device("cpu")
+    model = example.build_model("tiny", device)
+    projector = example.GradientProjector(model.model.layers, 8, device)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(model.config.vocab_size, (3, 16), generator=gen)
+    mask = (torch.arange(1, 16)[None] >= torch.tensor([[2], [5], [9]])).float()
+    with projector.record_inputs():
+        logp = example.token_logprobs(model, ids)
+    with projector.collect():
+        (logp * mask).sum().backward()
+    got = projector.take()
+    assert len(got) == len(model.model.layers)
+    for seq in range(3):
+        model.zero_grad()
+        (example.token_logprobs(model, ids[seq : seq + 1]) * mask[seq : seq + 1]).sum().backward()
+        for index, layer in enumerate(model.model.layers):
+            parts = []
+            for name, module in layer.named_modules():
+                if isinstance(module, nn.Linear):
+                    p_in, p_out = projector._proj[(index, name)]
+                    parts.append((p_out @ module.weight.grad @ p_in.T).flatten())
+            expected = torch.cat(parts)
+            torch.testing.assert_close(got[index][seq], expected, rtol=1e-4, atol=1e-6)
