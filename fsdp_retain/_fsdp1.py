@@ -28,6 +28,18 @@ What the block does to FSDP1, per ``FlatParamHandle`` (one per unit):
 Pass boundaries: a gradient hook on the root's forward outputs, registered
 after FSDP's own pre-backward hook, starts a pass and queues a callback that
 the autograd engine runs after FSDP's root final callback.
+
+Graphs outlive the block: every unit's forward outputs also get a guard hook,
+registered before FSDP's pre-backward hook, that stays on the graph and
+raises a clear error if a backward reaches it after the block has exited
+(the storage it needs is freed and FSDP's reduction hooks are gone).
+
+Several forwards in one block with parameter mixed precision: each forward
+casts the flat parameter to the low-precision dtype anew, which gives its
+graph a new ``AccumulateGrad`` node, and FSDP1 hooks only the first forward's
+node. The block hooks every forward's node and runs FSDP's post-backward hook
+once per pass, after the last of them that the pass executes
+(``_counted_post_backward``).
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence
 
 from ._common import (
     ACTIVE_ATTR,
@@ -55,6 +68,7 @@ from ._common import (
 _FLAVOUR = "FSDP1"
 # Where FSDP1 keeps a flat parameter's (AccumulateGrad, hook handle).
 _HOOK_STATE = "_post_backward_hook_state"
+# Names of torch.distributed.fsdp internals the block calls.
 _RUNTIME_FUNCTIONS = (
     "_lazy_init",
     "_post_backward_hook",
@@ -72,7 +86,6 @@ def _internals() -> types.SimpleNamespace:
             HandleTrainingState,
             TrainingState,
         )
-        from torch.distributed.utils import _apply_to_tensors
     except ImportError as exc:
         raise missing_internal(str(exc), _FLAVOUR) from None
     found = {
@@ -81,7 +94,6 @@ def _internals() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         TrainingState=TrainingState,
         HandleTrainingState=HandleTrainingState,
-        apply_to_tensors=_apply_to_tensors,
         **{name.lstrip("_"): fn for name, fn in found.items()},
     )
 
@@ -108,10 +120,126 @@ def unsharded_storage_bytes(model: nn.Module) -> int:
     return total
 
 
+_STORAGES = ("_full_param_padded", "_mp_shard", "_full_prec_full_param_padded")
+
+
+def fsdp1_snapshot(model: nn.Module) -> dict[str, Any]:
+    """FSDP1 state the block may touch, for tests: flags, hooks, storage, gradients.
+
+    Two snapshots taken between steps (outside any forward and backward) are
+    equal when the block left nothing behind. Gradients appear only as "none
+    or reduced", so a pass that was reduced before an exception does not count.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.modules import module as module_globals
+
+    snap: dict[str, Any] = {
+        "global_hooks": tuple(
+            len(getattr(module_globals, name, ()))
+            for name in (
+                "_global_forward_pre_hooks",
+                "_global_forward_hooks",
+                "_global_backward_hooks",
+                "_global_backward_pre_hooks",
+            )
+        ),
+        "active": ACTIVE_ATTR in model.__dict__,
+    }
+    for name, module in model.named_modules():
+        snap[f"{name}:hooks"] = (
+            len(module._forward_pre_hooks),
+            len(module._forward_hooks),
+            len(module._backward_pre_hooks),
+            len(module._backward_hooks),
+        )
+        if not isinstance(module, FullyShardedDataParallel):
+            continue
+        snap[f"{name}:state"] = (
+            str(module.training_state),
+            module._sync_gradients,
+            module._is_root,
+            getattr(module, "_post_backward_callback_queued", None),
+            ACTIVE_ATTR in module.__dict__,
+        )
+        if module._is_root:
+            order = module._exec_order_data
+            snap[f"{name}:exec_order"] = len(order.handles_post_forward_order)
+        handle = module._handle
+        if handle is None:
+            continue
+        flat_param = handle.flat_param
+        grad = flat_param.grad
+        tensors = flat_param._tensors if handle._use_orig_params else None
+        snap[f"{name}:handle"] = (
+            str(handle._training_state),
+            handle._needs_pre_backward_unshard,
+            handle._ran_pre_backward_hook,
+            handle._prefetched,
+            handle._post_forward_index,
+            tuple(sorted(k for k in ("reshard", "pre_unshard") if k in handle.__dict__)),
+        )
+        snap[f"{name}:flat_param"] = (
+            tuple(flat_param.shape),
+            flat_param.dtype,
+            hasattr(flat_param, _HOOK_STATE),
+            hasattr(flat_param, "_saved_grad_shard"),
+            len(flat_param._backward_hooks or {}),
+            len(getattr(flat_param, "_post_accumulate_grad_hooks", None) or {}),
+            grad is None or grad.shape == flat_param.shape,
+            None if tensors is None else tuple(t is None for t in tensors),
+            tuple(
+                getattr(flat_param, attr).untyped_storage().nbytes()
+                for attr in _STORAGES
+                if hasattr(flat_param, attr)
+            ),
+        )
+    return snap
+
+
 def _queue_callback(fn) -> None:
     from torch.autograd import Variable
 
     Variable._execution_engine.queue_callback(fn)
+
+
+def _grad_tensors(obj: Any, found: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors that require grad in a forward's output, looking into the
+    containers FSDP1 registers its pre-backward hooks through
+    (``torch.distributed.utils._apply_to_tensors``).
+
+    A plain function on purpose: FSDP's helper is a closure that refers to
+    itself, a reference cycle that keeps the hook it is given (and whatever
+    that refers to) alive until the garbage collector runs.
+    """
+    if found is None:
+        found = []
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            found.append(obj)
+    elif hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            _grad_tensors(getattr(obj, field.name), found)
+    elif isinstance(obj, PackedSequence):
+        _grad_tensors(obj.data, found)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _grad_tensors(value, found)
+    elif isinstance(obj, (list, tuple, set)):
+        for value in obj:
+            _grad_tensors(value, found)
+    return found
+
+
+def _graph_task_id() -> int:
+    """The running backward's id, -1 outside backward (as FSDP2 asks)."""
+    get_id = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if get_id is None else get_id()
+
+
+def _acc_grad_node(flat_param: torch.Tensor) -> Any:
+    """The ``AccumulateGrad`` node a graph built now would use, as FSDP1 finds it."""
+    with torch.enable_grad():
+        return flat_param.expand_as(flat_param).grad_fn.next_functions[0][0]
 
 
 def _loud(fn):
@@ -150,6 +278,40 @@ def _version(t: torch.Tensor | None) -> int:
     return -1 if t is None else t._version
 
 
+class _Liveness:
+    """Whether a block is still open; the only state the graph's guard hooks keep."""
+
+    exited = False
+
+
+_AFTER_EXIT = (
+    "no_reshard_between_backwards: this backward runs over a graph whose forward ran "
+    "inside a no_reshard_between_backwards block that has already exited. When the "
+    "block ended, FSDP1 freed the unsharded parameters this graph saved and dropped "
+    "its gradient-reduction hooks, so the pass would fail (setStorage ... storage of "
+    "size 0) or leave gradients unreduced. Move this backward inside the block, "
+    "before the `with` statement ends (or run a new forward for it)."
+)
+
+
+@_loud
+def _backward_after_exit(alive: _Liveness, grad: torch.Tensor) -> None:
+    # Runs before FSDP's pre-backward hook on the same tensor, so raising here
+    # leaves FSDP untouched.
+    if alive.exited:
+        raise RuntimeError(_AFTER_EXIT)
+
+
+def _multi_forward_unsupported() -> RuntimeError:
+    return RuntimeError(
+        "no_reshard_between_backwards: a second forward inside one block with FSDP1 "
+        "parameter mixed precision needs torch._C._will_engine_execute_node and "
+        f"torch._C._current_graph_task_id, which torch {torch.__version__} lacks. Run "
+        "one forward per block (concatenate the inputs into one batch) or turn off "
+        "MixedPrecision(param_dtype=...)."
+    )
+
+
 class FSDP1Block:
     """One ``no_reshard_between_backwards`` block on an FSDP1 root."""
 
@@ -181,7 +343,13 @@ class FSDP1Block:
         self._forward_tensors: dict[Any, list[Any]] = {}
         self._forward_order: list[Any] = []
         self._forward_indices: dict[Any, int | None] = {}
-        self._acc_grads: dict[Any, Any] = {}
+        # The AccumulateGrad nodes of this block's forwards, first one first
+        # (several only with parameter mixed precision), the hooks on the later
+        # ones, and per handle [graph task, nodes fired, nodes expected].
+        self._acc_grads: dict[Any, list[Any]] = {}
+        self._counted_hooks: list[Any] = []
+        self._counts: dict[Any, list[int]] = {}
+        self._alive = _Liveness()  # shared with the guard hooks on the graph
         self._sentinels: dict[Any, _Sentinel] = {}
 
     @property
@@ -239,11 +407,21 @@ class FSDP1Block:
                 original = require_attr(handle, "pre_unshard", _FLAVOUR)
                 handle.pre_unshard = functools.partial(self._pre_unshard, handle, original)
         self._hooks.append(self.model.register_forward_hook(self._after_forward))
+        for state in self._states:
+            # Inside FSDP's forward: before its post-forward registers the
+            # pre-backward hooks, after its pre-forward unsharded the parameters.
+            inner = require_attr(state, "_fsdp_wrapped_module", _FLAVOUR)
+            self._hooks.append(inner.register_forward_hook(self._guard_outputs))
+            handle = state._handle
+            if handle is not None and handle.flat_param.requires_grad:
+                capture = functools.partial(self._capture_acc_grad, state, handle)
+                self._hooks.append(inner.register_forward_pre_hook(capture))
         if self.options.sync_grads == "last":
             for state in self._states:
                 state._sync_gradients = False
 
     def _uninstall(self) -> None:
+        self._alive.exited = True
         if self._deferred_hook is not None:
             self._deferred_hook.remove()
             self._deferred_hook = None
@@ -310,9 +488,9 @@ class FSDP1Block:
 
     # Forward and pass boundaries #
     @_loud
-    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
-            return output
+            return
         self._regather = {h for _, h in self._handles if h._needs_pre_backward_unshard}
         self._forward_tensors = {
             h: list(h.flat_param._tensors)
@@ -322,21 +500,66 @@ class FSDP1Block:
         order = require_attr(self.model, "_exec_order_data", _FLAVOUR)
         self._forward_order = list(order.handles_post_forward_order)
         self._forward_indices = {h: h._post_forward_index for _, h in self._handles}
-        # The AccumulateGrad nodes of this graph. Not the flat parameter's
-        # current one: with mixed precision the forward ran on low-precision
-        # data, and switching .data to another dtype gives a new node.
-        self._acc_grads = {}
-        for _, handle in self._handles:
-            hook_state = getattr(handle.flat_param, _HOOK_STATE, ())
-            if len(hook_state) == 2:
-                self._acc_grads[handle] = hook_state[0]
+        for t in _grad_tensors(output):
+            self._hooks.append(t.register_hook(self._pass_start_hook))
 
-        def register(t: torch.Tensor) -> torch.Tensor:
-            if t.requires_grad:
-                self._hooks.append(t.register_hook(self._pass_start_hook))
-            return t
+    def _guard_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        guard = functools.partial(_backward_after_exit, self._alive)
+        for t in _grad_tensors(output):
+            t.register_hook(guard)  # lives as long as the graph
 
-        return self._fsdp.apply_to_tensors(register, output)
+    def _capture_acc_grad(self, state: Any, handle: Any, module: nn.Module, args: Any) -> None:
+        """Remembers the ``AccumulateGrad`` node this forward's graph uses.
+
+        Not the flat parameter's node after the forward: with parameter mixed
+        precision the forward ran on low-precision data, and switching
+        ``.data`` to another dtype gives the parameter a new node.
+        """
+        if not torch.is_grad_enabled() or _graph_task_id() != -1:
+            return  # no graph, or an activation-checkpointing recompute
+        node = _acc_grad_node(handle.flat_param)
+        nodes = self._acc_grads.setdefault(handle, [])
+        if any(n is node for n in nodes):
+            return
+        nodes.append(node)
+        if len(nodes) > 1:
+            self._count_post_backward(state, handle)
+
+    def _count_post_backward(self, state: Any, handle: Any) -> None:
+        """Hooks a later forward's node; from now on every node of ``handle``
+        runs ``_counted_post_backward`` instead of FSDP's hook."""
+        if not all(
+            hasattr(torch._C, name)
+            for name in ("_will_engine_execute_node", "_current_graph_task_id")
+        ):
+            raise _multi_forward_unsupported()
+        nodes = self._acc_grads[handle]
+        hook = functools.partial(self._counted_post_backward, state, handle)
+        flat_param = handle.flat_param
+        if len(nodes) == 2:
+            old = getattr(flat_param, _HOOK_STATE, None)
+            if old is not None:
+                old[-1].remove()
+            # FSDP's final callback removes this one after each pass; the
+            # pass end puts it back.
+            setattr(flat_param, _HOOK_STATE, (nodes[0], nodes[0].register_hook(hook)))
+        self._counted_hooks.append(nodes[-1].register_hook(hook))
+
+    @_loud
+    def _counted_post_backward(self, state: Any, handle: Any, *unused: Any) -> None:
+        """FSDP's post-backward hook, once the last node of ``handle`` this pass runs
+        has accumulated its gradient (as ``register_multi_grad_hook`` counts)."""
+        task = _graph_task_id()
+        count = self._counts.get(handle)
+        if count is None or count[0] != task:
+            expected = sum(map(torch._C._will_engine_execute_node, self._acc_grads[handle]))
+            count = self._counts[handle] = [task, 0, expected]
+        count[1] += 1
+        if count[1] >= count[2]:
+            del self._counts[handle]
+            self._fsdp.post_backward_hook(state, handle, handle.flat_param)
 
     def _pass_start_hook(self, grad: torch.Tensor) -> None:
         if not self._pass_open:
@@ -363,13 +586,14 @@ class FSDP1Block:
         fsdp = self._fsdp
         for state, handle in self._handles:
             flat_param = handle.flat_param
-            acc_grad = self._acc_grads.get(handle)
-            if acc_grad is not None and not hasattr(flat_param, _HOOK_STATE):
+            nodes = self._acc_grads.get(handle)
+            if nodes and not hasattr(flat_param, _HOOK_STATE):
                 # FSDP's final callback removed it; later passes must reduce too.
-                hook = acc_grad.register_hook(
-                    functools.partial(fsdp.post_backward_hook, state, handle)
-                )
-                setattr(flat_param, _HOOK_STATE, (acc_grad, hook))
+                if len(nodes) == 1:
+                    fn = functools.partial(fsdp.post_backward_hook, state, handle)
+                else:
+                    fn = functools.partial(self._counted_post_backward, state, handle)
+                setattr(flat_param, _HOOK_STATE, (nodes[0], nodes[0].register_hook(fn)))
             if handle in self._regather:
                 # The pre-backward unshard all-gathers only if the storage was
                 # freed; it also shows the unsharded views that activation
@@ -412,8 +636,14 @@ class FSDP1Block:
             handle._ran_pre_backward_hook = False
             handle._prefetched = False
             handle._post_forward_index = None
-            if handle in self._forward_tensors:
+            if handle._use_orig_params and flat_param._tensors is not None:
+                # The forward's views, as FSDP drops them after a unit's backward
+                # (also for units an exception kept from running backward).
                 flat_param._tensors[:] = [None] * len(flat_param._tensors)
+        for hook in self._counted_hooks:
+            hook.remove()
+        self._counted_hooks.clear()
+        self._counts.clear()
         self._forward_tensors.clear()
         self._acc_grads.clear()
         self._regather.clear()
