@@ -123,6 +123,62 @@ class PassTracker:
             )
 
 
+
+class BlockBase:
+    """Lifecycle shared by the backends: install now or at the first forward, then
+    finish (clean exit) or abort (exception exit), and always uninstall.
+
+    A backend sets ``self.model``, ``self.options``, ``self.tracker`` and
+    implements ``_root_decided``, ``_install_at_first_forward``, ``_install``,
+    ``_finish``, ``_abort`` and ``_uninstall`` (which calls ``_release_model``).
+    """
+
+    model: nn.Module
+    tracker: PassTracker
+    _installed: bool = False
+    _deferred_hook = None
+
+    @property
+    def backward_passes(self) -> int:
+        return self.tracker.started
+
+    def enter(self) -> None:
+        setattr(self.model, ACTIVE_ATTR, True)
+        try:
+            if self._root_decided():
+                self._install()
+            else:
+                # FSDP picks its root at the first forward; install then.
+                self._deferred_hook = self.model.register_forward_pre_hook(
+                    self._install_at_first_forward, prepend=True
+                )
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def exit(self, exc: BaseException | None) -> None:
+        try:
+            if not self._installed:
+                return
+            if exc is None:
+                self._finish()
+            else:
+                self._abort()
+        finally:
+            self._uninstall()
+
+    def _take_deferred_hook(self) -> None:
+        self._deferred_hook.remove()
+        self._deferred_hook = None
+
+    def _release_model(self) -> None:
+        if self._deferred_hook is not None:
+            self._deferred_hook.remove()
+            self._deferred_hook = None
+        self._installed = False
+        if getattr(self.model, ACTIVE_ATTR, False):
+            delattr(self.model, ACTIVE_ATTR)
+
 def create_graph_needs_keep() -> RuntimeError:
     """Backward hooks run with grad mode on only under ``create_graph=True``."""
     return RuntimeError(

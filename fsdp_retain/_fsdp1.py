@@ -56,6 +56,7 @@ import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ._common import (
+    BlockBase,
     ACTIVE_ATTR,
     PassTracker,
     RetainOptions,
@@ -312,7 +313,7 @@ def _multi_forward_unsupported() -> RuntimeError:
     )
 
 
-class FSDP1Block:
+class FSDP1Block(BlockBase):
     """One ``no_reshard_between_backwards`` block on an FSDP1 root."""
 
     def __init__(self, model: nn.Module, options: RetainOptions) -> None:
@@ -330,8 +331,6 @@ class FSDP1Block:
                 "that FSDP1 only supports for one backward per iteration. Turn "
                 "parameter offloading off for this model."
             )
-        self._installed = False
-        self._deferred_hook = None
         self._hooks: list[Any] = []
         self._states: list[Any] = []
         self._handles: list[tuple[Any, Any]] = []  # (state, handle)
@@ -352,39 +351,12 @@ class FSDP1Block:
         self._alive = _Liveness()  # shared with the guard hooks on the graph
         self._sentinels: dict[Any, _Sentinel] = {}
 
-    @property
-    def backward_passes(self) -> int:
-        return self.tracker.started
-
-    # Entering and leaving #
-    def enter(self) -> None:
-        setattr(self.model, ACTIVE_ATTR, True)
-        try:
-            if self.model._is_root is None:
-                # FSDP1 picks its root lazily at the first forward; install then.
-                self._deferred_hook = self.model.register_forward_pre_hook(
-                    self._install_at_first_forward, prepend=True
-                )
-            else:
-                self._install()
-        except BaseException:
-            self._uninstall()
-            raise
-
-    def exit(self, exc: BaseException | None) -> None:
-        try:
-            if not self._installed:
-                return
-            if exc is None:
-                self._finish()
-            else:
-                self._abort()
-        finally:
-            self._uninstall()
+    # Entering and leaving (see BlockBase) #
+    def _root_decided(self) -> bool:
+        return self.model._is_root is not None
 
     def _install_at_first_forward(self, module: nn.Module, args: Any) -> None:
-        self._deferred_hook.remove()
-        self._deferred_hook = None
+        self._take_deferred_hook()
         if self.model._is_root is False:
             raise ValueError(_non_root_message(self.model))
         self._fsdp.lazy_init(self.model, self.model)
@@ -422,9 +394,6 @@ class FSDP1Block:
 
     def _uninstall(self) -> None:
         self._alive.exited = True
-        if self._deferred_hook is not None:
-            self._deferred_hook.remove()
-            self._deferred_hook = None
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -433,9 +402,7 @@ class FSDP1Block:
             handle.__dict__.pop("pre_unshard", None)
         self._restore_sync()
         self._handles.clear()
-        self._installed = False
-        if getattr(self.model, ACTIVE_ATTR, False):
-            delattr(self.model, ACTIVE_ATTR)
+        self._release_model()
 
     def _restore_sync(self) -> None:
         for state, value in self._saved_sync:

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from ._common import (
+    BlockBase,
     ACTIVE_ATTR,
     PassTracker,
     RetainOptions,
@@ -104,7 +105,7 @@ class _Sentinel:
     created: bool
 
 
-class FSDP2Block:
+class FSDP2Block(BlockBase):
     """One ``no_reshard_between_backwards`` block on an FSDP2 root."""
 
     def __init__(self, model: nn.Module, options: RetainOptions) -> None:
@@ -119,8 +120,6 @@ class FSDP2Block:
                 f"({type(model).__name__}). Pass the root: the module fully_shard was "
                 "applied to last, whose forward runs the others."
             )
-        self._installed = False
-        self._deferred_hook = None
         self._states: list[Any] = []
         self._groups: list[Any] = []
         self._saved_groups: list[tuple[Any, dict[str, Any]]] = []
@@ -131,39 +130,12 @@ class FSDP2Block:
         self._sentinels: dict[Any, _Sentinel] = {}
         self._pending_unreduced = False
 
-    @property
-    def backward_passes(self) -> int:
-        return self.tracker.started
-
-    # Entering and leaving #
-    def enter(self) -> None:
-        setattr(self.model, ACTIVE_ATTR, True)
-        try:
-            if self._state._is_root is None:
-                # FSDP2 picks its root at the first forward; install then.
-                self._deferred_hook = self.model.register_forward_pre_hook(
-                    self._install_at_first_forward, prepend=True
-                )
-            else:
-                self._install()
-        except BaseException:
-            self._uninstall()
-            raise
-
-    def exit(self, exc: BaseException | None) -> None:
-        try:
-            if not self._installed:
-                return
-            if exc is None:
-                self._finish()
-            else:
-                self._abort()
-        finally:
-            self._uninstall()
+    # Entering and leaving (see BlockBase) #
+    def _root_decided(self) -> bool:
+        return self._state._is_root is not None
 
     def _install_at_first_forward(self, module: nn.Module, args: Any) -> None:
-        self._deferred_hook.remove()
-        self._deferred_hook = None
+        self._take_deferred_hook()
         if self._state._is_root is False:
             # We are inside the real root's forward; leave FSDP2 clean before raising.
             _reset_iteration(self._state._state_ctx.all_states[0])
@@ -209,9 +181,6 @@ class FSDP2Block:
                     self._forward_hooks.append(handle)
 
     def _uninstall(self) -> None:
-        if self._deferred_hook is not None:
-            self._deferred_hook.remove()
-            self._deferred_hook = None
         for handle in self._forward_hooks:
             handle.remove()
         self._forward_hooks.clear()
@@ -222,9 +191,7 @@ class FSDP2Block:
             for name, value in saved.items():
                 setattr(group, name, value)
         self._saved_groups.clear()
-        self._installed = False
-        if getattr(self.model, ACTIVE_ATTR, False):
-            delattr(self.model, ACTIVE_ATTR)
+        self._release_model()
 
     def _finish(self) -> None:
         """Clean exit: reduce what is still unreduced, reshard everything."""
