@@ -106,9 +106,6 @@ class PassTracker:
     def end(self) -> None:
         self.finished += 1
 
-    def is_last(self, index: int) -> bool:
-        return self.backwards is not None and index == self.backwards
-
     @property
     def in_backward(self) -> bool:
         return self.started > self.finished

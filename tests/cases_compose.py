@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 
 import torch
 import torch.nn as nn
@@ -21,6 +20,9 @@ from fsdp_retain import no_reshard_between_backwards
 from tests import fsdp2_utils as f2
 from tests.harness import Registry
 from tests.parity import (
+    OPTION_GRID,
+    block_options,
+    penalty_step,
     LOSSES,
     Scenario,
     assert_close_dicts,
@@ -32,11 +34,8 @@ from tests.parity import (
 )
 
 registry = Registry()
-OPTION_GRID = list(itertools.product((True, False), ("every", "last")))
 
 
-def _options(keep: bool, sync: str) -> dict:
-    return dict(keep_unsharded=keep, sync_grads=sync)
 
 
 def _two_forward_step(model, opt, x, passes, forward_ctx) -> None:
@@ -85,7 +84,7 @@ def mixed_precision_bf16_params_fp32_reduce() -> None:
     for keep, sync in OPTION_GRID:
         tol = dict(rtol=1e-5, atol=1e-5) if sync == "every" else dict(rtol=1e-2, atol=1e-3)
         make = lambda: f2.wrap(make_net(), mp_policy=mp)  # noqa: E731
-        _compare_with_two_forward(make, _options(keep, sync), tol)
+        _compare_with_two_forward(make, block_options(keep, sync), tol)
 
 
 @registry.case()
@@ -94,7 +93,7 @@ def autocast_bf16_forward() -> None:
     ctx = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
     for keep, sync in OPTION_GRID:
         tol = dict(rtol=1e-5, atol=1e-5) if sync == "every" else dict(rtol=1e-2, atol=1e-3)
-        _compare_with_two_forward(lambda: f2.wrap(make_net()), _options(keep, sync), tol, ctx)
+        _compare_with_two_forward(lambda: f2.wrap(make_net()), block_options(keep, sync), tol, ctx)
 
 
 class CheckpointedNet(nn.Module):
@@ -121,7 +120,7 @@ def activation_checkpointing_non_reentrant() -> None:
     for keep, sync in OPTION_GRID:
         ref = reference_copy(make_net())
         model = f2.wrap(CheckpointedNet(make_net()))
-        scenario = Scenario(passes=3, options=_options(keep, sync), check_between=sync == "every")
+        scenario = Scenario(passes=3, options=block_options(keep, sync), check_between=sync == "every")
 
         def expect(counts, keep=keep) -> None:
             if keep:
@@ -135,7 +134,7 @@ def cpu_offload_policy() -> None:
     for keep, sync in OPTION_GRID:
         ref = reference_copy(make_net())
         model = f2.wrap(make_net(), offload_policy=CPUOffloadPolicy(pin_memory=False))
-        scenario = Scenario(passes=2, options=_options(keep, sync), check_between=sync == "every")
+        scenario = Scenario(passes=2, options=block_options(keep, sync), check_between=sync == "every")
         run_parity(model, ref, scenario, f2.ADAPTER)
 
 
@@ -150,7 +149,7 @@ def two_forwards_then_their_backwards() -> None:
             xa, xb = batch(step), batch(step + 100)
             for m, o in ((ref, ref_opt), (model, opt)):
                 block = (
-                    no_reshard_between_backwards(m, **_options(keep, sync))
+                    no_reshard_between_backwards(m, **block_options(keep, sync))
                     if m is model
                     else contextlib.nullcontext()
                 )
@@ -169,14 +168,6 @@ def two_forwards_then_their_backwards() -> None:
             assert_close_dicts(f2.full_params(model), ref_params, f"step {step} {keep} {sync}")
 
 
-def _penalty_step(model, x, block) -> None:
-    x = x.clone().requires_grad_()
-    with block:
-        out = model(x)
-        loss = out.pow(2).mean()
-        (grad_x,) = torch.autograd.grad(loss, x, create_graph=True)
-        (loss + grad_x.pow(2).sum()).backward()
-
 
 @registry.case()
 def gradient_penalty_create_graph() -> None:
@@ -184,7 +175,7 @@ def gradient_penalty_create_graph() -> None:
     reference over 3 steps, keep_unsharded=False refuses with a clear error."""
     model = f2.wrap(make_net())
     try:
-        _penalty_step(model, batch(0), contextlib.nullcontext())
+        penalty_step(model, batch(0), contextlib.nullcontext())
     except RuntimeError as exc:
         assert "storage of size 0" in str(exc), exc
     else:
@@ -195,11 +186,11 @@ def gradient_penalty_create_graph() -> None:
         opt, ref_opt = sgd(model), sgd(ref)
         for step in range(3):
             x = batch(step)
-            _penalty_step(ref, x, contextlib.nullcontext())
+            penalty_step(ref, x, contextlib.nullcontext())
             for p in ref.parameters():
                 torch.distributed.all_reduce(p.grad)
                 p.grad /= torch.distributed.get_world_size()
-            _penalty_step(model, x, no_reshard_between_backwards(model, sync_grads=sync))
+            penalty_step(model, x, no_reshard_between_backwards(model, sync_grads=sync))
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
@@ -207,7 +198,7 @@ def gradient_penalty_create_graph() -> None:
             assert_close_dicts(f2.full_params(model), ref_params, f"step {step} {sync}")
     model = f2.wrap(make_net())
     try:
-        _penalty_step(model, batch(0), no_reshard_between_backwards(model, keep_unsharded=False))
+        penalty_step(model, batch(0), no_reshard_between_backwards(model, keep_unsharded=False))
     except RuntimeError as exc:
         assert "needs keep_unsharded=True" in str(exc), exc
     else:

@@ -24,6 +24,7 @@ from fsdp_retain._measure import count_collectives
 from tests import fsdp1_utils as f1
 from tests.harness import Registry
 from tests.parity import (
+    penalty_step,
     LOSSES,
     Block,
     Scenario,
@@ -619,14 +620,6 @@ for uop in (False, True):
     registry.add(f"two_forwards_{'orig' if uop else 'flat'}", _two_forwards_case(uop))
 
 
-def _penalty_step(model, x, block) -> None:
-    x = x.clone().requires_grad_()
-    with block:
-        out = model(x)
-        loss = out.pow(2).mean()
-        (grad_x,) = torch.autograd.grad(loss, x, create_graph=True)
-        (loss + grad_x.pow(2).sum()).backward()
-
 
 @registry.case()
 def gradient_penalty_create_graph() -> None:
@@ -634,7 +627,7 @@ def gradient_penalty_create_graph() -> None:
     keep_unsharded=True matches the reference, False refuses clearly."""
     model = f1.wrap(make_net())
     try:
-        _penalty_step(model, batch(0), contextlib.nullcontext())
+        penalty_step(model, batch(0), contextlib.nullcontext())
     except RuntimeError as exc:
         assert "storage of size 0" in str(exc), exc
     else:
@@ -646,9 +639,9 @@ def gradient_penalty_create_graph() -> None:
         opt, ref_opt = sgd(model), sgd(ref)
         for step in range(3):
             x = batch(step)
-            _penalty_step(ref, x, contextlib.nullcontext())
+            penalty_step(ref, x, contextlib.nullcontext())
             ref_grads = averaged_grads(ref)
-            _penalty_step(model, x, no_reshard_between_backwards(model, sync_grads=sync))
+            penalty_step(model, x, no_reshard_between_backwards(model, sync_grads=sync))
             where = f"step {step} uop={uop} sync={sync}"
             assert_close_dicts(f1.full_grads(model), ref_grads, f"{where}: grads")
             for name, param in ref.named_parameters():
@@ -661,7 +654,7 @@ def gradient_penalty_create_graph() -> None:
     ref = reference_copy(model)
     model = f1.wrap(model)
     try:
-        _penalty_step(model, batch(0), no_reshard_between_backwards(model, keep_unsharded=False))
+        penalty_step(model, batch(0), no_reshard_between_backwards(model, keep_unsharded=False))
     except RuntimeError as exc:
         assert "needs keep_unsharded=True" in str(exc), exc
     else:

@@ -40,6 +40,7 @@ from fsdp_retain._fsdp1 import FSDP1Block, fsdp1_handles, fsdp1_snapshot
 from tests import fsdp1_utils as f1
 from tests.harness import Registry
 from tests.parity import (
+    block_options,
     LOSSES,
     Block,
     Scenario,
@@ -66,8 +67,6 @@ def _tag(keep: bool, sync: str, uop: bool) -> str:
     return f"{'keep' if keep else 'regather'}_{sync}_{'orig' if uop else 'flat'}"
 
 
-def _options(keep: bool, sync: str, backwards: int | None = None) -> dict:
-    return dict(keep_unsharded=keep, sync_grads=sync, backwards=backwards)
 
 
 def _warm_up(model: nn.Module, ref: nn.Module) -> None:
@@ -105,7 +104,7 @@ def _check_usable(model: nn.Module, ref: nn.Module, keep: bool, sync: str) -> No
     model.zero_grad()
     run_parity(model, ref, Scenario(passes=1, steps=2, use_block=False), f1.ADAPTER)
     block_step = Scenario(
-        passes=2, steps=1, options=_options(keep, sync), check_between=sync == "every"
+        passes=2, steps=1, options=block_options(keep, sync), check_between=sync == "every"
     )
     run_parity(model, ref, block_step, f1.ADAPTER)
 
@@ -136,7 +135,7 @@ def _backward_after_exit_case(keep, sync, uop, variant):
         )
         backwards = 2 if variant == "all_known_passes_done" else None
         with pytest.raises(RuntimeError) as caught:
-            with no_reshard_between_backwards(model, **_options(keep, sync, backwards)):
+            with no_reshard_between_backwards(model, **block_options(keep, sync, backwards)):
                 out = model(batch(0))
                 if variant != "forward_only_in_block":
                     LOSSES[0](out).backward(retain_graph=True)
@@ -146,7 +145,7 @@ def _backward_after_exit_case(keep, sync, uop, variant):
                 # Not through the root's outputs: the unit's own outputs are guarded.
                 inner["out"].sum().backward()
             elif variant == "old_graph_in_new_block":
-                with no_reshard_between_backwards(model, **_options(keep, sync)):
+                with no_reshard_between_backwards(model, **block_options(keep, sync)):
                     LOSSES[2](out).backward()
             else:
                 LOSSES[2](out).backward()
@@ -250,7 +249,7 @@ def _mixed_precision_case(keep, sync, uop, backwards):
 
     def run() -> None:
         make = functools.partial(_bf16_model, uop)
-        options = _options(keep, sync, 3 if backwards else None)
+        options = block_options(keep, sync, 3 if backwards else None)
         model = _compare_with_two_forward(make, options, TOL_SAME, contextlib.nullcontext)
         assert fsdp1_snapshot(model) == fsdp1_snapshot(_plain_stepped(make)), "state left"
 
@@ -289,7 +288,7 @@ def _autocast_case(keep, sync, uop):
         LOSSES[0](out).float().backward(retain_graph=True)
         with pytest.raises(RuntimeError):
             LOSSES[1](out).float().backward()
-        _compare_with_two_forward(make, _options(keep, sync), TOL_SAME, ctx)
+        _compare_with_two_forward(make, block_options(keep, sync), TOL_SAME, ctx)
 
     return run
 
@@ -349,7 +348,7 @@ def _two_forwards_mp_case(keep, sync, uop):
 
             old_between = functools.partial(between, key="old", model=old)
             _one_forward_per_pass(old, xa, xb, sync, old_between)
-            block = no_reshard_between_backwards(new, **_options(keep, sync))
+            block = no_reshard_between_backwards(new, **block_options(keep, sync))
             _pipelined(new, xa, xb, block, functools.partial(between, key="new", model=new))
             where = f"step {step} keep={keep} sync={sync} uop={uop}"
             for i, (a, b) in enumerate(zip(seen["new"], seen["old"])):
@@ -420,7 +419,7 @@ def _activation_checkpointing_case(keep, sync, uop, backwards):
         passes = 3
         scenario = Scenario(
             passes=passes,
-            options=_options(keep, sync, passes if backwards else None),
+            options=block_options(keep, sync, passes if backwards else None),
             check_between=sync == "every",
         )
 
@@ -460,7 +459,7 @@ def _checkpointing_mixed_precision_case(keep, sync):
         make = lambda: _checkpointed(  # noqa: E731
             f1.wrap(make_net(), use_orig_params=True, mixed_precision=BF16_MP)
         )
-        _compare_with_two_forward(make, _options(keep, sync), TOL_SAME, contextlib.nullcontext)
+        _compare_with_two_forward(make, block_options(keep, sync), TOL_SAME, contextlib.nullcontext)
 
     return run
 
@@ -491,7 +490,7 @@ def _raise_in(where: str, model: nn.Module, keep: bool, sync: str) -> None:
 
     try:
         with pytest.raises(Boom):
-            with no_reshard_between_backwards(model, **_options(keep, sync)):
+            with no_reshard_between_backwards(model, **block_options(keep, sync)):
                 inner = {}
                 if where == "forward":
                     hooks.append(model.blocks[1].register_forward_hook(_boom))
@@ -655,7 +654,7 @@ def _fifty_steps_case(uop, mixed_precision, mem_tracker):
                     tracker.reset_mod_stats()
                 keep, sync, backwards = _STEP_OPTIONS[step % len(_STEP_OPTIONS)]
                 forwards = 2 if mixed_precision and step % 3 == 0 else 1
-                with no_reshard_between_backwards(model, **_options(keep, sync, backwards)) as blk:
+                with no_reshard_between_backwards(model, **block_options(keep, sync, backwards)) as blk:
                     outs = [model(batch(step + 100 * i)) for i in range(forwards)]
                     for i in range(3):
                         out = outs[i % len(outs)]

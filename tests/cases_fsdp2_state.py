@@ -6,7 +6,6 @@ Run inside ranks by ``tests/test_fsdp2_state.py``.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 
 import pytest
@@ -20,6 +19,8 @@ from fsdp_retain._fsdp2 import fsdp2_all_sharded, fsdp2_snapshot
 from tests import fsdp2_utils as f2
 from tests.harness import Registry
 from tests.parity import (
+    OPTION_GRID,
+    block_options,
     LOSSES,
     Scenario,
     batch,
@@ -30,15 +31,12 @@ from tests.parity import (
 )
 
 registry = Registry()
-OPTION_GRID = list(itertools.product((True, False), ("every", "last")))
 
 
 class Boom(RuntimeError):
     pass
 
 
-def _options(keep: bool, sync: str) -> dict:
-    return dict(keep_unsharded=keep, sync_grads=sync)
 
 
 def _check_plain_steps_match(model: nn.Module, ref: nn.Module) -> None:
@@ -76,7 +74,7 @@ def flags_restored_after_block() -> None:
             model(batch(0)).sum().backward()  # lazy init done, like a training loop
             model.zero_grad()
             before = fsdp2_snapshot(model)
-            opts = dict(_options(keep, sync), backwards=backwards)
+            opts = dict(block_options(keep, sync), backwards=backwards)
             with no_reshard_between_backwards(model, **opts) as blk:
                 out = model(batch(1))
                 LOSSES[0](out).backward(retain_graph=True)
@@ -101,7 +99,7 @@ def flags_restored_when_block_entered_before_first_forward() -> None:
 
 
 def _raise_in(where: str, model: nn.Module, keep: bool, sync: str) -> None:
-    opts = _options(keep, sync)
+    opts = block_options(keep, sync)
     handle = None
     try:
         with pytest.raises(Boom):
@@ -145,7 +143,7 @@ def exception_restores_state_and_next_step_is_correct() -> None:
             assert fsdp2_all_sharded(model), (where, keep, sync)
             _check_plain_steps_match(model, ref)
             # ... and the block works again afterwards.
-            run_parity(model, ref, Scenario(passes=2, steps=1, options=_options(keep, sync), check_between=sync == "every"), f2.ADAPTER)
+            run_parity(model, ref, Scenario(passes=2, steps=1, options=block_options(keep, sync), check_between=sync == "every"), f2.ADAPTER)
 
 
 # --- Memory ------------------------------------------------------------------
@@ -219,7 +217,7 @@ def fifty_steps_do_not_grow_memory_or_hooks() -> None:
         for step in range(50):
             tracker.reset_mod_stats()
             keep, sync = OPTION_GRID[step % len(OPTION_GRID)]
-            with no_reshard_between_backwards(model, **_options(keep, sync)):
+            with no_reshard_between_backwards(model, **block_options(keep, sync)):
                 out = model(batch(step))
                 LOSSES[0](out).backward(retain_graph=True)
                 LOSSES[1](out).backward()
@@ -287,10 +285,10 @@ def backwards_count_mismatch_warns_and_stays_correct() -> None:
     for keep, sync in OPTION_GRID:
         model = f2.wrap(make_net())
         ref = reference_copy(make_net())
-        options = dict(_options(keep, sync), backwards=2)
+        options = dict(block_options(keep, sync), backwards=2)
         with pytest.warns(UserWarning, match="saw backward pass 3"):
             run_parity(model, ref, Scenario(passes=3, steps=1, options=options, check_between=sync == "every"), f2.ADAPTER)
-        options = dict(_options(keep, sync), backwards=3)
+        options = dict(block_options(keep, sync), backwards=3)
         with pytest.warns(UserWarning, match="exited after 2"):
             run_parity(model, ref, Scenario(passes=2, steps=1, options=options, check_between=sync == "every"), f2.ADAPTER)
         assert fsdp2_all_sharded(model)
@@ -303,7 +301,7 @@ def backward_after_block_exit_regathers() -> None:
         model = f2.wrap(make_net())
         ref = reference_copy(make_net())
         x = batch(0)
-        with no_reshard_between_backwards(model, **_options(keep, sync)):
+        with no_reshard_between_backwards(model, **block_options(keep, sync)):
             out = model(x)
             LOSSES[0](out).backward(retain_graph=True)
         LOSSES[1](out).backward()
@@ -329,7 +327,7 @@ def zero_grad_between_passes_variants() -> None:
             x = batch(0)
             for m, o in ((model, opt), (ref, ref_opt)):
                 block = (
-                    no_reshard_between_backwards(m, **_options(keep, sync))
+                    no_reshard_between_backwards(m, **block_options(keep, sync))
                     if m is model
                     else contextlib.nullcontext()
                 )
@@ -359,7 +357,7 @@ def parity_world_size_4() -> None:
         for raf in (True, False):
             model = f2.wrap(make_net(tied=True), reshard_after_forward=raf)
             ref = reference_copy(make_net(tied=True))
-            scenario = Scenario(passes=3, zero_between=keep, options=_options(keep, sync), check_between=sync == "every")
+            scenario = Scenario(passes=3, zero_between=keep, options=block_options(keep, sync), check_between=sync == "every")
 
             def expect(counts, keep=keep, sync=sync, raf=raf) -> None:
                 assert counts.all_gather == f2.expected_all_gathers(model, 3, keep, raf)

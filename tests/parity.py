@@ -87,6 +87,23 @@ def _loss2(out: torch.Tensor) -> torch.Tensor:
 
 LOSSES: list[Callable[[torch.Tensor], torch.Tensor]] = [_loss0, _loss1, _loss2]
 
+# (keep_unsharded, sync_grads) pairs, for cases that loop over the options.
+OPTION_GRID = [(True, "every"), (True, "last"), (False, "every"), (False, "last")]
+
+
+def block_options(keep: bool, sync: str, backwards: int | None = None) -> dict:
+    return dict(keep_unsharded=keep, sync_grads=sync, backwards=backwards)
+
+
+def penalty_step(model: nn.Module, x: torch.Tensor, block) -> None:
+    """A gradient penalty: ``create_graph=True`` w.r.t. the input, then one backward."""
+    x = x.clone().requires_grad_()
+    with block:
+        out = model(x)
+        loss = out.pow(2).mean()
+        (grad_x,) = torch.autograd.grad(loss, x, create_graph=True)
+        (loss + grad_x.pow(2).sum()).backward()
+
 
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
