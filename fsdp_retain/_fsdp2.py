@@ -88,13 +88,35 @@ def _grad_version(grad: torch.Tensor) -> tuple[int, int]:
     return grad._version, local._version
 
 
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    # torch 2.9-2.11: at most one group per state.
+    group = require_attr(state, "_fsdp_param_group", _FLAVOUR)
+    return [] if group is None else [group]
+
+
+def _clear_unsharded_grad(fsdp_param: Any) -> None:
+    """Drops the gradients a parameter holds unreduced (``reduce_grads=False``)."""
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    if unsharded is not None:
+        unsharded.grad = None
+    # torch <= 2.14 accumulates in a separate buffer; in 2.15 the name is a
+    # read-only alias of the unsharded parameter's .grad.
+    alias = getattr(type(fsdp_param), "unsharded_accumulated_grad", None)
+    if not (isinstance(alias, property) and alias.fset is None):
+        fsdp_param.unsharded_accumulated_grad = None
+
+
 def fsdp2_param_groups(model: nn.Module) -> list[Any]:
     """The FSDP parameter groups (one per unit with parameters) under ``model``."""
     groups = []
     for module in model.modules():
         if is_fsdp2_module(module):
             state = module._get_fsdp_state()
-            groups.extend(g for g in state._fsdp_param_groups if g.fsdp_params)
+            groups.extend(g for g in _param_groups(state) if g.fsdp_params)
     return groups
 
 
@@ -149,11 +171,7 @@ class FSDP2Block(BlockBase):
     def _install(self) -> None:
         state_ctx = require_attr(self._state, "_state_ctx", _FLAVOUR)
         self._states = list(require_attr(state_ctx, "all_states", _FLAVOUR))
-        self._groups = [
-            g
-            for s in self._states
-            for g in require_attr(s, "_fsdp_param_groups", _FLAVOUR)
-        ]
+        self._groups = [g for s in self._states for g in _param_groups(s)]
         for group in self._groups:
             saved = {name: require_attr(group, name, _FLAVOUR) for name in _GROUP_FLAGS}
             self._saved_groups.append((group, saved))
@@ -210,9 +228,7 @@ class FSDP2Block(BlockBase):
         _reset_iteration(self._state)
         for group in self._groups:
             for fsdp_param in group.fsdp_params:
-                if hasattr(fsdp_param, "_unsharded_param"):
-                    fsdp_param._unsharded_param.grad = None
-                fsdp_param.unsharded_accumulated_grad = None
+                _clear_unsharded_grad(fsdp_param)
         self._drop_unused_sentinels()
         self._reshard_all()
 
@@ -318,9 +334,7 @@ class FSDP2Block(BlockBase):
             grad = fsdp_param.sharded_param.grad
             if grad is sentinel.grad and _grad_version(grad) == sentinel.version:
                 continue
-            if hasattr(fsdp_param, "_unsharded_param"):
-                fsdp_param._unsharded_param.grad = None
-            fsdp_param.unsharded_accumulated_grad = None
+            _clear_unsharded_grad(fsdp_param)
             del self._sentinels[fsdp_param]
 
     def _drop_unused_sentinels(self) -> None:
@@ -346,10 +360,16 @@ class FSDP2Block(BlockBase):
             return  # the user asked FSDP2 not to sync (gradient accumulation)
         self._show_unsharded()
         self._sentinels.clear()  # the reduction adds onto them; keep them
-        final_callback = require_attr(
-            self._state, "_root_post_backward_final_callback", _FLAVOUR
-        )
-        final_callback()
+        _run_root_final_callback(self._state)
+
+
+def _run_root_final_callback(root_state: Any) -> None:
+    """FSDP2's end-of-backward callback, run outside a backward."""
+    ctx = root_state._state_ctx
+    # torch 2.15: the callback reads the finalization mode its registration sets.
+    if getattr(ctx, "manual_backward_finalization_active", False) is None:
+        ctx.manual_backward_finalization_active = ctx.manual_backward_finalization
+    require_attr(root_state, "_root_post_backward_final_callback", _FLAVOUR)()
 
 
 def _reset_iteration(root_state: Any) -> None:
@@ -363,7 +383,7 @@ def _reset_iteration(root_state: Any) -> None:
     for state in ctx.all_states:
         state._training_state = state_enum.IDLE
         getattr(state, "_modules_to_run_forward", set()).clear()
-        for group in state._fsdp_param_groups:
+        for group in _param_groups(state):
             group._training_state = state_enum.IDLE
             group._post_forward_indices.clear()
             group._all_gather_result = None
@@ -397,7 +417,7 @@ def fsdp2_snapshot(model: nn.Module) -> dict[str, Any]:
             _PASS_START_HOOK in state.__dict__,
             state._auto_reshard_after_forward,
         )
-        for i, group in enumerate(state._fsdp_param_groups):
+        for i, group in enumerate(_param_groups(state)):
             snap[f"{name}:group{i}"] = tuple(
                 repr(getattr(group, flag)) for flag in _GROUP_FLAGS
             ) + (str(group._sharded_state), str(group._training_state))

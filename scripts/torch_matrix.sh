@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Runs the test suite on each torch version given, one fresh venv per version,
+# and records the result in docs/compat.json and docs/compat.md.
+#
+#   scripts/torch_matrix.sh 2.9.1 2.10.0 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0
+#   scripts/torch_matrix.sh --subset 2.9.1 2.15.0   # the CI subset (see tests/matrix_subset.txt)
+#
+# Each venv gets `pip install torch==VERSION`, then the project with its test and
+# examples extras under a constraint that pins that torch (so nothing replaces
+# it), runs `python -m pytest -q`, and is deleted afterwards (KEEP_VENVS=1 keeps
+# it). Registry builds of torch carry CUDA but run on CPU; each venv is ~5 GB.
+# Exit status: non-zero if any version failed to install or had a failing test.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+
+subset=0
+if [ "${1:-}" = "--subset" ]; then
+  subset=1
+  shift
+fi
+if [ $# -eq 0 ]; then
+  echo "usage: scripts/torch_matrix.sh [--subset] VERSION..." >&2
+  exit 2
+fi
+
+venv_root=${MATRIX_VENV_DIR:-${TMPDIR:-/tmp}}
+python=${PYTHON:-python3}
+pytest_args=(-q -p no:cacheprovider)
+if [ "$subset" = 1 ]; then
+  mapfile -t subset_tests < <(grep -v '^\s*\(#\|$\)' tests/matrix_subset.txt)
+  pytest_args+=("${subset_tests[@]}")
+fi
+status=0
+
+for version in "$@"; do
+  venv="$venv_root/fsdp_retain_torch_$version"
+  log="$venv_root/fsdp_retain_torch_$version.log"
+  constraints="$venv_root/fsdp_retain_torch_$version.constraints"
+  echo "== torch $version: venv $venv, log $log"
+  start=$(date +%s)
+  result=""
+  : >"$log"
+  if [ ! -x "$venv/bin/python" ]; then  # KEEP_VENVS=1 from an earlier run: reuse
+    rm -rf "$venv"
+    echo "torch==$version" >"$constraints"
+    if ! { "$python" -m venv "$venv" &&
+      "$venv/bin/python" -m pip install -q "torch==$version" &&
+      "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[test,examples]"; } >>"$log" 2>&1; then
+      result="install failed (see $log)"
+    fi
+  fi
+  installed=$(date +%s)
+  if [ -z "$result" ]; then
+    got=$("$venv/bin/python" -c "import torch; print(torch.__version__.split('+')[0])")
+    if [ "$got" != "$version" ]; then
+      result="venv has torch $got, not $version"
+    fi
+  fi
+  if [ -z "$result" ]; then
+    "$venv/bin/python" -m pytest "${pytest_args[@]}" >>"$log" 2>&1
+    rc=$?
+    result=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped)' "$log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
+    [ -n "$result" ] || result="pytest exited $rc with no summary (see $log)"
+    [ "$rc" = 0 ] || status=1
+  else
+    status=1
+  fi
+  end=$(date +%s)
+  echo "   $result (install $((installed - start)) s, tests $((end - installed)) s)"
+  # Failures stay readable after the venv is gone.
+  grep -E '^(FAILED|ERROR) ' "$log" | head -n 40
+  "$python" scripts/compat_table.py --version "$version" --result "$result" \
+    --seconds $((end - installed)) --subset "$subset" \
+    --command "scripts/torch_matrix.sh $([ "$subset" = 1 ] && echo '--subset ')$version"
+  if [ "${KEEP_VENVS:-0}" != 1 ]; then
+    rm -rf "$venv" "$constraints"
+  fi
+done
+echo "wrote docs/compat.md"
+exit $status
