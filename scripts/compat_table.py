@@ -39,8 +39,8 @@ def render(entries: dict[str, dict]) -> str:
         "the modules in `tests/matrix_subset.txt` (what CI runs on the oldest and newest",
         "torch); the full-suite rows are the proof for each version.",
         "",
-        "| torch | suite | passed | failed | skipped | errors | test time | date | command |",
-        "|---|---|--:|--:|--:|--:|--:|---|---|",
+        "| torch | suite | passed | failed | skipped | errors | test time | date | commit | command |",
+        "|---|---|--:|--:|--:|--:|--:|---|---|---|",
     ]
     for version in sorted(entries, key=_version_key):
         e = entries[version]
@@ -48,7 +48,7 @@ def render(entries: dict[str, dict]) -> str:
         lines.append(
             f"| {version} | {'subset' if e['subset'] else 'full'} | {c['passed']} | "
             f"{c['failed']} | {c['skipped']} | {c['error']} | {e['seconds'] / 60:.1f} min | "
-            f"{e['date']} | `{e['command']}` |"
+            f"{e['date']} | {e.get('commit', '?')} | `{e['command']}` |"
         )
     lines += ["", "Python " + platform.python_version() + ", " + platform.machine() + ".", ""]
     return "\n".join(lines)
@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, required=True)
     parser.add_argument("--subset", type=int, default=0)
     parser.add_argument("--command", required=True)
+    parser.add_argument("--commit", default="?")
     args = parser.parse_args()
     path = DOCS / "compat.json"
     entries = json.loads(path.read_text()) if path.exists() else {}
@@ -74,6 +75,7 @@ def main() -> None:
         "subset": bool(args.subset),
         "date": datetime.date.today().isoformat(),
         "command": args.command,
+        "commit": args.commit,
     }
     path.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
     (DOCS / "compat.md").write_text(render(entries))

@@ -84,6 +84,10 @@ class LaunchResult:
         return "\n".join(parts)
 
 
+def timeout_scale() -> float:
+    return float(os.environ.get("FSDP_RETAIN_TIMEOUT_SCALE", "1"))
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -98,7 +102,11 @@ def launch(
     cases: list[str] | None = None,
     env: dict[str, str] | None = None,
 ) -> LaunchResult:
-    """Spawns ``world_size`` ranks that run the cases of ``module``; returns their results."""
+    """Spawns ``world_size`` ranks that run the cases of ``module``; returns their results.
+
+    ``FSDP_RETAIN_TIMEOUT_SCALE`` (default 1) multiplies ``timeout``, for busy machines.
+    """
+    timeout *= timeout_scale()
     mod = importlib.import_module(module)
     names = cases if cases is not None else mod.registry.names(world_size)
     workdir = Path(tempfile.mkdtemp(prefix="fsdp_retain_launch_"))

@@ -40,12 +40,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.harness import ROOT
+from tests.harness import ROOT, timeout_scale
 
 EXAMPLES = ROOT / "examples"
 COUNT_BLOCKS = str(ROOT / "tests" / "count_blocks.py")
 CPU_FSDP = str(ROOT / "tests" / "accelerate_cpu_fsdp.py")
-TIMEOUT = 300
+TIMEOUT = 300 * timeout_scale()
 
 
 def _free_port() -> int:
