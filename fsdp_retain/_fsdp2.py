@@ -378,7 +378,7 @@ def _reset_iteration(root_state: Any) -> None:
     if reset is not None:
         reset()
         return
-    state_enum = _training_state_enum()  # torch without reset_iter_state
+    state_enum = _training_state_enum()  # torch 2.9-2.12: no _reset_iter_state
     ctx = require_attr(root_state, "_state_ctx", _FLAVOUR)
     for state in ctx.all_states:
         state._training_state = state_enum.IDLE
