@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_retain._report import DEFAULT_MODES, Mode, ReportConfig, run_report
+from fsdp_retain.report import DEFAULT_MODES, Mode, ReportConfig, run_report
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("fsdp2", "fsdp1")

@@ -1,4 +1,4 @@
-"""Writes a memory report (``_report.py``) as ``report.json``, ``report.md`` and ``report.png``."""
+"""Writes a report as ``report.json``, ``report.md`` and ``report.png``."""
 
 from __future__ import annotations
 
