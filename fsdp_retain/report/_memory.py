@@ -54,37 +54,69 @@ def _tracker_classes():
     later (an unsharded gradient is only recognised when it is reduced)
     still counts for the peak.
     """
+    import torch
+
+    device_op = torch.ops.prim.device.default
     try:
         from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     except ImportError as exc:
         raise RuntimeError(
             "memory report: torch.distributed._tools.mem_tracker.MemTracker is missing "
-            f"in torch {__import__('torch').__version__}"
+            f"in torch {torch.__version__}"
         ) from exc
 
     class PeakLive:
-        def _init_peak_live(self) -> None:
-            self.peak_live: dict[Any, list[tuple[Any, int]]] = {}
+        """Keeps a log of each storage's size and replays it to the peak at the end.
+
+        Replaces torch's ``_update_peak_stats``, which after every op walks every
+        module seen so far (minutes per step for a 7B model) to keep per-module
+        peaks the report does not read.
+        """
+
+        def __init__(self, *args, **kwargs) -> None:
+            # Before torch's __init__, which may already register storages.
+            self._now: dict[Any, int] = {}  # winfo -> bytes
+            self._totals: Counter = Counter()  # device -> bytes
+            self._log: list[tuple[Any, int]] = []  # (winfo, bytes) after each change
+            self._peaks: dict[Any, tuple[int, int]] = {}  # device -> (bytes, len(_log))
+            super().__init__(*args, **kwargs)
+
+        def _update_snap(self, u_type, winfo, *args, **kwargs) -> None:
+            super()._update_snap(u_type, winfo, *args, **kwargs)
+            now = 0 if u_type.name == "DEL" else winfo.mem_consumed
+            before = self._now.get(winfo, 0)
+            if now != before:
+                self._now[winfo] = now
+                self._totals[winfo.device] += now - before
+                self._log.append((winfo, now))
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # Fake tensors answer ``.device`` through dispatch: most ops of a
+            # simulated step. It allocates nothing, so torch's bookkeeping is skipped.
+            if func is device_op:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _update_peak_stats(self, peak_state) -> None:
-            before = dict(self._peak_mem)
-            super()._update_peak_stats(peak_state)
-            for dev, total in self._peak_mem.items():
-                if total != before.get(dev):
-                    self.peak_live[dev] = [
-                        (winfo, winfo.mem_consumed)
-                        for winfo, _ in list(self._WINFO.values())
-                        if winfo.device == dev and winfo.mem_consumed > 0
-                    ]
+            for dev, total in self._totals.items():
+                if total > self._peaks.get(dev, (0, 0))[0]:
+                    self._peaks[dev] = (total, len(self._log))
+
+        def _live_at_peak(self, device_type: str) -> list[tuple[Any, int]]:
+            live = []
+            for dev, (_, length) in self._peaks.items():
+                if dev.type != device_type:
+                    continue
+                sizes: dict[Any, int] = {}
+                for winfo, size in self._log[:length]:
+                    if winfo.device == dev:
+                        sizes[winfo] = size
+                live += [(winfo, size) for winfo, size in sizes.items() if size > 0]
+            return live
 
         def peak_breakdown(self, device_type: str) -> tuple[int, dict, dict]:
             """``(peak bytes, breakdown by BREAKDOWN_KEYS, by tracker category)``."""
-            live = [
-                entry
-                for dev, entries in self.peak_live.items()
-                if dev.type == device_type
-                for entry in entries
-            ]
+            live = self._live_at_peak(device_type)
             buckets: Counter = Counter(dict.fromkeys(BREAKDOWN_KEYS, 0))
             detail: Counter = Counter()
             for winfo, mem in live:
@@ -100,7 +132,6 @@ def _tracker_classes():
 
         def __init__(self, model, optimizer, inputs) -> None:
             super().__init__()
-            self._init_peak_live()
             for param in model.parameters():
                 self._update_and_maybe_create_winfos(param, _MemRefType.PARAM)
             for buffer in model.buffers():
@@ -118,7 +149,7 @@ def _tracker_classes():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            if out is NotImplemented:
+            if out is NotImplemented or func is device_op:
                 return out
             kind = _collective_kind(func)
             if kind == "all_gather":
@@ -143,7 +174,6 @@ def _tracker_classes():
         class FSDP2Tracker(PeakLive, FSDPMemTracker):
             def __init__(self, model, optimizer, inputs) -> None:
                 super().__init__(model, optimizer)
-                self._init_peak_live()
                 self.track_inputs(tuple(inputs))
 
         FSDP2Tracker.torch_tool = "FSDPMemTracker"

@@ -11,7 +11,7 @@ from typing import Any
 
 from ._config import ReportConfig
 from ._modes import BACKWARDS, MODES
-from ._output import write_report
+from ._output import render_fit_table, write_report
 from ._runner import say
 
 
@@ -172,7 +172,10 @@ def finish(cfg: ReportConfig, rows: list[dict], meta: dict, world: int, device) 
     add_comparisons(rows, meta.get("unsharded_param_bytes") or 0)
     report = {"config": config_dict(cfg, world, meta, device), "rows": rows}
     paths = write_report(report, Path(cfg.out))
-    print(paths["md_text"], flush=True)
+    if not cfg.simulate_world_size:
+        print(paths["md_text"], flush=True)
     say("wrote " + ", ".join(str(p) for k, p in paths.items() if k != "md_text"))
+    if cfg.simulate_world_size:
+        print(render_fit_table(report), flush=True)
     return report
 

@@ -20,11 +20,21 @@ from ._modes import Mode
 from ._step import train_step
 
 TRACEBACKS_ENV = "FSDP_RETAIN_REPORT_TRACEBACKS"  # set to print each failure's traceback
-_START = time.monotonic()
+_start = time.monotonic()  # system-wide on Linux: child processes may share it
 
 
 def say(message: str) -> None:
-    print(f"[report {time.monotonic() - _START:6.0f}s] {message}", flush=True)
+    print(f"[report {time.monotonic() - _start:6.0f}s] {message}", flush=True)
+
+
+def started() -> float:
+    return _start
+
+
+def start_clock(start: float) -> None:
+    """Times ``say`` from ``start`` (a ``time.monotonic()`` of the parent process)."""
+    global _start
+    _start = start
 
 
 def short_error() -> str:
@@ -239,7 +249,6 @@ class BackendRun:
             result["memory_source"] = result["tracker"]
 
 
-
 def quiet_known_warnings() -> None:
     for message in (
         "Full backward hook is firing",
@@ -247,6 +256,7 @@ def quiet_known_warnings() -> None:
         "FSDP is switching to use `NO_SHARD`",
         "The module hierarchy tracking maybe be messed up",
         "For backward hooks to be called, module output should be a Tensor",
+        "Accessing the data pointer of FakeTensor",  # FSDP1 under --simulate-world-size
     ):
         warnings.filterwarnings("ignore", message=message)
 
