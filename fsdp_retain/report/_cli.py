@@ -25,8 +25,8 @@ def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConf
         prog=f"python {prog}",
         description=(
             "Peak memory, step time and collectives of fsdp_retain's modes against a "
-            "second forward, on a Qwen2-shaped causal LM with random weights. Writes "
-            "report.json, report.md and report.png into --out."
+            "second forward, on a Qwen2-shaped causal LM (or the model of a config.json) with "
+            "random weights. Writes report.json, report.md and report.png into --out."
         ),
     )
     parser.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=BACKENDS,
@@ -39,8 +39,13 @@ def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConf
                         help="ranks to launch (cpu: 2, cuda: all GPUs); ignored under torchrun")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
                         help="parameter (and gradient) dtype")
-    parser.add_argument("--size", default="small", choices=list(SIZES),
-                        help="model preset; the flags below override its fields")
+    parser.add_argument("--size", default=None, choices=list(SIZES),
+                        help="Qwen2.5-shaped model preset (default: small); the flags below "
+                             "override its fields")
+    parser.add_argument("--model-config", default=None, metavar="PATH",
+                        help="instead of --size: a Hugging Face causal LM config.json (or its "
+                             "folder), built with random weights, nothing downloaded; the flags "
+                             "below override its fields")
     for name in DIM_FLAGS:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, dest=name)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per mode first")
@@ -54,6 +59,8 @@ def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConf
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds before a launch or a collective gives up")
     args = parser.parse_args(argv)
+    if args.size is not None and args.model_config is not None:
+        parser.error("use --size or --model-config, not both")
     raw = sys.argv[1:] if argv is None else argv
     launcher = "python"
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -64,7 +71,8 @@ def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConf
         device=args.device,
         nproc=args.nproc,
         dtype=args.dtype,
-        size=args.size,
+        size=args.size or "small",
+        model_config=args.model_config,
         warmup=args.warmup,
         steps=args.steps,
         simulate_world_size=args.simulate_world_size,

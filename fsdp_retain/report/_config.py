@@ -33,12 +33,17 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 class ReportConfig:
     """Everything a report run needs; ``parse_args`` builds one from the CLI.
 
+    The model is the preset ``size`` or, with ``model_config``, the causal LM
+    of a Hugging Face ``config.json`` (a local file or its folder; random
+    weights, nothing downloaded). The dimension fields (``layers``, ``hidden``,
+    ..., ``seq_len``, ``batch``) override either.
+
     Example::
 
         from fsdp_retain.report import ReportConfig, run_report
 
-        cfg = ReportConfig(size="7b", simulate_world_size=8, dtype="bf16", batch=2,
-                           seq_len=2048, out="out")
+        cfg = ReportConfig(model_config="Qwen2.5-7B/config.json", simulate_world_size=8,
+                           dtype="bf16", batch=2, seq_len=2048, out="out")
         report = run_report(cfg)
     """
 
@@ -48,6 +53,7 @@ class ReportConfig:
     nproc: int | None = None  # ranks: cpu 2, cuda all visible GPUs
     dtype: str = "fp32"
     size: str = "small"
+    model_config: str | None = None
     layers: int | None = None
     hidden: int | None = None
     intermediate: int | None = None
@@ -94,7 +100,12 @@ class ReportConfig:
 
     def dims(self) -> dict[str, Any]:
         """The model's shape, ``seq_len`` and ``batch`` (per rank), flags applied."""
-        dims = dict(SIZES[self.size])
+        if self.model_config is not None:
+            from ._model import config_dims
+
+            dims = config_dims(self.model_config)
+        else:
+            dims = dict(SIZES[self.size])
         for name in DIM_FLAGS:
             if getattr(self, name) is not None:
                 dims[name] = getattr(self, name)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ._config import MIN_TIMED_STEPS, ReportConfig
+from ._model import check_model_config
 from ._results import finish, merge_ranks
 from ._runner import BackendRun, quiet_known_warnings, say
 from ._simulate import simulate
@@ -127,6 +128,8 @@ def run_report(cfg: ReportConfig) -> dict:
         report = run_report(ReportConfig(backends=("fsdp2",), size="tiny", out="out"))
         print([(r["label"], r["peak_bytes"]) for r in report["rows"]])
     """
+    if cfg.model_config is not None:
+        check_model_config(cfg)
     if cfg.simulate_world_size:
         return simulate(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

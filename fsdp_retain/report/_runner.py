@@ -94,6 +94,7 @@ class BackendRun:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # after an out-of-memory failure
         model = build_model(self.cfg, self.device)
+        self.meta.setdefault("model_class", type(model).__name__)
         self.meta.setdefault("param_count", sum(p.numel() for p in model.parameters()))
         self.meta.setdefault("unsharded_param_bytes", param_bytes(model))
         mesh = self.mesh

@@ -94,5 +94,5 @@ def _measure(run: BackendRun) -> None:
         start = time.monotonic()
         if run.guarded(mode, "memory", lambda m=mode: run.memory(m)):
             peak = run.results[mode.label]["peak_bytes"]
-            run.log(f"{mode.label}: peak {peak / 2**30:.2f} GiB per rank "
-                    f"({time.monotonic() - start:.0f}s)")
+            shown = f"{peak / 2**30:.2f} GiB" if peak >= 2**30 else f"{peak / 2**20:.1f} MiB"
+            run.log(f"{mode.label}: peak {shown} per rank ({time.monotonic() - start:.0f}s)")
