@@ -7,6 +7,7 @@ gradients.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Any
 
@@ -24,6 +25,7 @@ _BUCKETS = {
 BREAKDOWN_KEYS = ("sharded_params", "unsharded_params", "grads", "activations", "other")
 
 
+@functools.lru_cache(maxsize=None)  # called for every op of a tracked step
 def _collective_kind(func) -> str | None:
     from .._measure import _KINDS
 
