@@ -2,8 +2,8 @@
 
 A fake process group stands in for the other ranks and fake tensors for the
 data, so nothing is computed and no memory is allocated; torch's memory
-trackers see every allocation a rank would make. Each backend runs in a
-process of its own (in parallel when there are cores for it).
+trackers see every allocation a rank would make. With more than one core,
+the backends after the first run in processes of their own, in parallel.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ def simulate(cfg: ReportConfig) -> dict:
     world = cfg.simulate_world_size
     say(f"simulating {world} ranks with a fake process group and fake tensors: "
         f"{', '.join(cfg.backends)} x {len(cfg.modes)} modes")
-    workers = min(len(cfg.backends), os.cpu_count() or 1)
-    if workers > 1:
+    first, *others = cfg.backends
+    helpers = min(len(others), (os.cpu_count() or 1) - 1)
+    if helpers > 0:  # the other backends in other processes, the first one here
         spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=spawn, initializer=start_clock,
+        with ProcessPoolExecutor(helpers, mp_context=spawn, initializer=start_clock,
                                  initargs=(started(),)) as pool:
-            per_backend = list(pool.map(_simulate_backend, [cfg] * len(cfg.backends),
-                                        cfg.backends))
+            futures = [pool.submit(_simulate_backend, cfg, backend) for backend in others]
+            per_backend = [_simulate_backend(cfg, first)] + [f.result() for f in futures]
     else:
         per_backend = [_simulate_backend(cfg, backend) for backend in cfg.backends]
     rows, meta = [], {}
