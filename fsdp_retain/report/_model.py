@@ -36,7 +36,7 @@ def _load_config(path: str):
         )
     try:
         return AutoConfig.from_pretrained(str(where), local_files_only=True)
-    except (ValueError, KeyError, OSError) as exc:  # bad JSON is a ValueError
+    except (ValueError, KeyError, OSError) as exc:  # bad JSON: OSError or ValueError
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise ValueError(
             f"--model-config {path}: transformers {transformers.__version__} cannot read it "
@@ -45,7 +45,7 @@ def _load_config(path: str):
 
 
 def config_dims(path: str) -> dict[str, Any]:
-    """``ReportConfig.dims()`` of a Hugging Face ``config.json`` (seq_len 2048, batch 1)."""
+    """``ReportConfig.dims()`` of a ``config.json``: seq_len 2048 or the model's maximum, batch 1."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = _load_config(path)
