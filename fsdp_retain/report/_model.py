@@ -45,7 +45,7 @@ def _load_config(path: str):
 
 
 def config_dims(path: str) -> dict[str, Any]:
-    """``ReportConfig.dims()`` of a ``config.json``: seq_len 2048 or the model's maximum, batch 1."""
+    """``ReportConfig.dims()`` of a ``config.json``; seq_len 2048 (at most), batch 1."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = _load_config(path)
