@@ -4,7 +4,8 @@ One launch runs both backends (fsdp2, fsdp1) and the five default modes
 (two_forward, naive, keep:every, keep:last, regather:every) with 1 warm-up and
 3 timed steps; the tests read the returned report and the files it wrote.
 A second run of the script (a subprocess) simulates the same 2 ranks with a
-fake process group and is compared with the real run.
+fake process group and is compared with the real run; a third simulates the
+same model from a config.json (--model-config) and is compared with the second.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_retain._report import DEFAULT_MODES, Mode, ReportConfig, run_report
+from fsdp_retain.report import DEFAULT_MODES, Mode, ReportConfig, run_report
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("fsdp2", "fsdp1")
@@ -206,16 +207,27 @@ def test_files_written(report):
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_simulated_world_matches_real_run(report, tmp_path):
-    """The script, as a subprocess, simulates the same 2 ranks with a fake process group."""
-    real, _ = report
+def simulate(tmp_path, *args: str, script: str = "scripts/memory_report.py"):
+    """Runs the report as a subprocess with ``--simulate-world-size 2``; (report, stdout)."""
     proc = subprocess.run(
-        [sys.executable, "scripts/memory_report.py", "--simulate-world-size", "2", "--size",
-         "tiny", "--backend", "fsdp2", "--out", str(tmp_path)],
+        [sys.executable, *script.split(), "--simulate-world-size", "2", *args,
+         "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    sim = json.loads((tmp_path / "report.json").read_text())
+    return json.loads((tmp_path / "report.json").read_text()), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    """The script simulates the tiny model on 2 ranks with a fake process group, FSDP2."""
+    return simulate(tmp_path_factory.mktemp("sim"), "--size", "tiny", "--backend", "fsdp2")
+
+
+def test_simulated_world_matches_real_run(report, simulated):
+    """The script, as a subprocess, simulates the same 2 ranks with a fake process group."""
+    real, _ = report
+    sim, stdout = simulated
     assert sim["config"]["simulated"] and sim["config"]["world_size"] == 2
     for r in sim["rows"]:
         assert r["ok"] and r["simulated"] and r["step_time_s"] is None, r
@@ -224,6 +236,84 @@ def test_simulated_world_matches_real_run(report, tmp_path):
         assert r["breakdown"]["sharded_params"] == measured["breakdown"]["sharded_params"]
         if r["mode"] in ("keep", "regather"):
             assert r["within_bound"] is True, r
+        # Progress: one line per backend and mode; the table: one row per mode.
+        assert f"fsdp2 {r['label']}: peak " in stdout, stdout
+        assert f"| `{r['label']}` | " in stdout, stdout
+
+
+def write_config(path: Path, **fields) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(fields))
+    return path / "config.json"
+
+
+# The "tiny" preset (tests/test_report.py's model) as a Hugging Face config.json.
+TINY_QWEN2 = dict(model_type="qwen2", num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
+                  tie_word_embeddings=False, max_position_embeddings=32768)
+
+
+def test_model_config_json_simulates_like_the_preset(simulated, tmp_path):
+    """--model-config with a config.json written here (the tiny preset's shape), both
+    backends (one process each), through python -m fsdp_retain.report: FSDP2 peaks and
+    breakdowns equal the preset's byte for byte."""
+    path = write_config(tmp_path / "qwen", **TINY_QWEN2)
+    sim, stdout = simulate(tmp_path / "out", "--model-config", str(path), "--seq-len", "64",
+                           "--batch", "2", "--modes", "two_forward", "keep:every",
+                           script="-m fsdp_retain.report")
+    cfg = sim["config"]
+    assert cfg["model_config"] == str(path) and cfg["size"] is None
+    assert cfg["model"] == "Qwen2ForCausalLM (random weights)"
+    assert (cfg["layers"], cfg["hidden"], cfg["vocab"], cfg["seq_len"]) == (3, 64, 2048, 64)
+    assert cfg["command"].startswith("python -m fsdp_retain.report --simulate-world-size 2 ")
+    preset, _ = simulated
+    assert cfg["param_count"] == preset["config"]["param_count"]
+    assert [(r["backend"], r["label"]) for r in sim["rows"]] == [
+        (b, m) for b in BACKENDS for m in ("two_forward", "keep:every")]
+    for r in sim["rows"]:
+        assert r["ok"], r
+        if r["backend"] == "fsdp2":
+            same = row(preset, "fsdp2", r["label"])
+            assert (r["peak_bytes"], r["breakdown"]) == (same["peak_bytes"], same["breakdown"])
+        if r["mode"] == "keep":
+            assert r["within_bound"] is True, r
+    assert "| mode | fsdp2 | fsdp1 |" in stdout, stdout
+
+
+def test_model_config_llama_and_flags(tmp_path):
+    """A Llama config.json (a folder works too); the dimension flags override its fields."""
+    from fsdp_retain.report._model import check_model_config, hf_config
+
+    llama = dict(TINY_QWEN2, model_type="llama", max_position_embeddings=512)
+    folder = write_config(tmp_path / "llama", **llama).parent
+    cfg = ReportConfig(model_config=str(folder), layers=2, hidden=128)
+    dims = cfg.dims()
+    assert (dims["layers"], dims["hidden"], dims["intermediate"], dims["kv_heads"]) == (
+        2, 128, 128, 2)
+    assert (dims["seq_len"], dims["batch"]) == (512, 1)
+    config = hf_config(cfg)
+    assert type(config).__name__ == "LlamaConfig"
+    assert (config.num_hidden_layers, config.hidden_size, config.use_cache) == (2, 128, False)
+    check_model_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (None, "no such file"),
+        ("{not json", "cannot read it"),
+        (dict(model_type="t5", d_model=64), "AutoModelForCausalLM"),
+        (dict(TINY_QWEN2, hidden_size=65), "hidden"),
+    ],
+)
+def test_model_config_errors_name_the_fix(tmp_path, fields, message):
+    path = tmp_path / "config.json"
+    if isinstance(fields, str):
+        path.write_text(fields)
+    elif fields is not None:
+        write_config(tmp_path, **fields)
+    with pytest.raises(ValueError, match=message):
+        ReportConfig(model_config=str(path))
 
 
 @pytest.mark.parametrize(

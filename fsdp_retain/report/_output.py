@@ -1,4 +1,4 @@
-"""Writes a memory report (``_report.py``) as ``report.json``, ``report.md`` and ``report.png``."""
+"""Writes a report as ``report.json``, ``report.md`` and ``report.png``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["render_markdown", "render_png", "write_report"]
+__all__ = ["render_fit_table", "render_markdown", "render_png", "write_report"]
 
 _BREAKDOWN = ("sharded_params", "unsharded_params", "grads", "activations", "other")
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
@@ -175,6 +175,40 @@ def _notes(cfg: dict, rows: list[dict]) -> list[str]:
                 "adds noise."
             )
     return notes
+
+
+def render_fit_table(report: dict[str, Any]) -> str:
+    """Per-rank peak memory, one row per mode and one column per backend ("will it fit?")."""
+    cfg, rows = report["config"], report["rows"]
+    unit, size = _unit(rows)
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    by_key = {(r["backend"], r["label"]): r for r in rows}
+
+    def cell(row: dict | None) -> str:
+        if row is None:
+            return ""
+        if not row["ok"]:
+            return "error"
+        change = row["memory_overhead_bytes"]
+        peak = _num(row["peak_bytes"] / size)
+        return peak if change is None or row["mode"] == "two_forward" else (
+            f"{peak} ({change / size:+.1f})")
+
+    simulated = " (simulated)" if cfg["simulated"] else ""
+    lines = [
+        f"Peak memory per rank ({unit}; in brackets: vs two_forward), {cfg['model']} "
+        f"{(cfg['param_count'] or 0) / 1e6:.1f}M params, {cfg['dtype']}, batch "
+        f"{cfg['batch_per_rank']} x {cfg['seq_len']} per rank, world size "
+        f"{cfg['world_size']}{simulated}:",
+        "",
+        "| mode | " + " | ".join(backends) + " |",
+        "|---|" + "--:|" * len(backends),
+    ]
+    for label in labels:
+        cells = [cell(by_key.get((backend, label))) for backend in backends]
+        lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def render_png(report: dict[str, Any], path: Path) -> None:

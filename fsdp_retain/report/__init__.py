@@ -1,0 +1,40 @@
+"""Memory, time and communication of fsdp_retain against a second forward.
+
+``python -m fsdp_retain.report`` (or ``scripts/memory_report.py``; see
+``docs/report/README.md``). One causal LM with random weights, wrapped per
+decoder layer plus root, runs one training step with two losses from one
+forward (a token log-prob loss, then a policy-gradient loss with random
+advantages) in each mode of ``MODES``: ``two_forward`` (what users do without
+the library), ``naive`` (``retain_graph=True`` without it), ``keep`` and
+``regather`` (the library with ``keep_unsharded=True`` / ``False``).
+
+Per mode and rank it measures, in separate steps: the median step time of
+interleaved, uninstrumented steps; the collectives of one step; the peak
+memory of one step and its breakdown at the peak from torch's memory
+trackers. ``--simulate-world-size N`` estimates memory only, for N ranks, in
+one process with a fake process group and fake tensors.
+
+The core library never imports this package. One concern per module:
+``_modes`` (what each mode runs and promises), ``_config`` (``ReportConfig``,
+presets), ``_cli``, ``_model`` (build and wrap), ``_step`` (the training step),
+``_hooks`` (what a measurement wraps around a step), ``_memory`` (peak and
+breakdown), ``_runner`` (one backend on one rank), ``_results`` (rows, bounds,
+the report), ``_simulate``, ``_launch`` (ranks), ``_output`` (the files).
+"""
+
+from ._cli import main, parse_args
+from ._config import SIZES, ReportConfig
+from ._launch import run_report
+from ._modes import DEFAULT_MODES, MODES, Mode, ModeSpec
+
+__all__ = [
+    "DEFAULT_MODES",
+    "MODES",
+    "SIZES",
+    "Mode",
+    "ModeSpec",
+    "ReportConfig",
+    "main",
+    "parse_args",
+    "run_report",
+]

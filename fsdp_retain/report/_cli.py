@@ -1,0 +1,91 @@
+"""The command line: ``python -m fsdp_retain.report`` (and ``scripts/memory_report.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from ._config import BACKENDS, DIM_FLAGS, DTYPES, MIN_TIMED_STEPS, SIZES, ReportConfig
+from ._launch import run_report
+from ._modes import DEFAULT_MODES, mode_labels
+
+PROG = "-m fsdp_retain.report"  # what follows ``python`` (or ``torchrun ...``) in a command
+
+
+def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConfig:
+    """The ``ReportConfig`` a command line asks for (``--help`` lists the flags).
+
+    Example::
+
+        cfg = parse_args(["--simulate-world-size", "8", "--size", "7b", "--dtype", "bf16"])
+    """
+    parser = argparse.ArgumentParser(
+        prog=f"python {prog}",
+        description=(
+            "Peak memory, step time and collectives of fsdp_retain's modes against a "
+            "second forward, on a Qwen2-shaped causal LM (or the model of a config.json) with "
+            "random weights. Writes report.json, report.md and report.png into --out."
+        ),
+    )
+    parser.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=BACKENDS,
+                        help="FSDP flavours to run, in order (default: fsdp2 fsdp1)")
+    parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES),
+                        help=" ".join(mode_labels()))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu: gloo; cuda: NCCL, one GPU per rank")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks to launch (cpu: 2, cuda: all GPUs); ignored under torchrun")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                        help="parameter (and gradient) dtype")
+    parser.add_argument("--size", default=None, choices=list(SIZES),
+                        help="Qwen2.5-shaped model preset (default: small); the flags below "
+                             "override its fields")
+    parser.add_argument("--model-config", default=None, metavar="PATH",
+                        help="instead of --size: a Hugging Face causal LM config.json (or its "
+                             "folder), built with random weights, nothing downloaded; the flags "
+                             "below override its fields")
+    for name in DIM_FLAGS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, dest=name)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per mode first")
+    parser.add_argument("--steps", type=int, default=MIN_TIMED_STEPS,
+                        help=f"timed steps per mode (median; use >= {MIN_TIMED_STEPS})")
+    parser.add_argument("--simulate-world-size", type=int, default=None,
+                        help="estimate per-rank memory for N ranks in this process (fake process "
+                             "group and fake tensors; memory only)")
+    parser.add_argument("--out", default="report_out", help="output directory")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds before a launch or a collective gives up")
+    args = parser.parse_args(argv)
+    if args.size is not None and args.model_config is not None:
+        parser.error("use --size or --model-config, not both")
+    raw = sys.argv[1:] if argv is None else argv
+    launcher = "python"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        launcher = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')}"
+    return ReportConfig(
+        backends=tuple(args.backend),
+        modes=tuple(args.modes),
+        device=args.device,
+        nproc=args.nproc,
+        dtype=args.dtype,
+        size=args.size or "small",
+        model_config=args.model_config,
+        warmup=args.warmup,
+        steps=args.steps,
+        simulate_world_size=args.simulate_world_size,
+        out=args.out,
+        seed=args.seed,
+        timeout=args.timeout,
+        command=f"{launcher} {prog} {shlex.join(raw)}".strip(),
+        **{name: getattr(args, name) for name in DIM_FLAGS},
+    )
+
+
+
+def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
+    """Runs the report a command line asks for; ``prog`` names the entry point in the command."""
+    run_report(parse_args(argv, prog=prog))
+    return 0

@@ -1,0 +1,187 @@
+"""The model the report trains: a causal LM with random weights, one FSDP unit per decoder layer."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+from ._config import DTYPES, ReportConfig
+
+
+def torch_dtype(cfg: ReportConfig):
+    import torch
+
+    return getattr(torch, DTYPES[cfg.dtype])
+
+
+# ReportConfig.dims() key -> Hugging Face config attribute
+_HF_ATTRS = dict(layers="num_hidden_layers", hidden="hidden_size",
+                 intermediate="intermediate_size", heads="num_attention_heads",
+                 kv_heads="num_key_value_heads", vocab="vocab_size")
+_SUPPORTED = "a decoder-only causal LM config (Llama, Qwen2, Mistral, ...)"
+
+
+@functools.lru_cache(maxsize=None)
+def _load_config(path: str):
+    import transformers
+    from transformers import AutoConfig
+
+    where = Path(path)
+    if not (where.is_file() or (where / "config.json").is_file()):
+        raise ValueError(
+            f"--model-config {path}: no such file; pass the path of a Hugging Face "
+            "config.json (or of the folder that holds it)"
+        )
+    try:
+        return AutoConfig.from_pretrained(str(where), local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:  # bad JSON: OSError or ValueError
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ValueError(
+            f"--model-config {path}: transformers {transformers.__version__} cannot read it "
+            f"({type(exc).__name__}: {first}); pass {_SUPPORTED} with a model_type it knows"
+        ) from exc
+
+
+def config_dims(path: str) -> dict[str, Any]:
+    """``ReportConfig.dims()`` of a ``config.json``; seq_len 2048 (at most), batch 1."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = _load_config(path)
+    kind = f"{type(config).__name__} (model_type {config.model_type!r})"
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"--model-config {path}: {kind} has no causal LM class in transformers "
+            f"(AutoModelForCausalLM); pass {_SUPPORTED}"
+        )
+    dims = {key: getattr(config, attr, None) for key, attr in _HF_ATTRS.items()}
+    dims["kv_heads"] = dims["kv_heads"] or dims["heads"]
+    missing = [_HF_ATTRS[key] for key, value in dims.items() if value is None]
+    if missing:
+        raise ValueError(f"--model-config {path}: {kind} has no {', '.join(missing)}; "
+                         f"pass {_SUPPORTED}")
+    max_len = getattr(config, "max_position_embeddings", None) or 2048
+    return {**dims, "tie": bool(getattr(config, "tie_word_embeddings", False)),
+            "seq_len": min(2048, max_len), "batch": 1}
+
+
+def hf_config(cfg: ReportConfig):
+    """The ``transformers`` config of ``cfg``'s model: its ``config.json`` with the
+    dimension flags applied, or a ``Qwen2Config`` of the preset ``cfg.size``."""
+    dims = cfg.dims()
+    if cfg.model_config is None:
+        from transformers import Qwen2Config
+
+        return Qwen2Config(
+            vocab_size=dims["vocab"],
+            hidden_size=dims["hidden"],
+            intermediate_size=dims["intermediate"],
+            num_hidden_layers=dims["layers"],
+            num_attention_heads=dims["heads"],
+            num_key_value_heads=dims["kv_heads"],
+            max_position_embeddings=max(32768, dims["seq_len"]),
+            tie_word_embeddings=dims["tie"],
+            use_cache=False,
+        )
+    base = _load_config(cfg.model_config)
+    values = {**base.to_dict(), **{attr: dims[key] for key, attr in _HF_ATTRS.items()},
+              "use_cache": False}
+    if dims["layers"] != base.num_hidden_layers:
+        values.pop("layer_types", None)  # one entry per layer; rebuilt from the new count
+    return type(base).from_dict(values)
+
+
+def build_model(cfg: ReportConfig, device):
+    """``cfg``'s causal LM with random weights (seed ``cfg.seed``), in ``cfg.dtype``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(cfg)
+    dtype = torch_dtype(cfg)
+    # transformers >= 4.56 calls it dtype, older ones torch_dtype; from_config builds in it.
+    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
+    torch.manual_seed(cfg.seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model
+
+
+def check_model_config(cfg: ReportConfig) -> None:
+    """Raises ``ValueError`` unless ``cfg.model_config`` builds a causal LM whose decoder
+    layers the report can find (tried on a one-layer copy, on the meta device)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(dataclasses.replace(cfg, layers=1))
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - any failure means the same fix
+        raise ValueError(
+            f"--model-config {cfg.model_config}: transformers cannot build "
+            f"{type(config).__name__} ({type(exc).__name__}: {exc}); pass {_SUPPORTED}"
+        ) from exc
+    decoder_layers(model)
+
+
+def decoder_layers(model):
+    """The decoder layers, one FSDP unit each (``model.model.layers`` in Llama, Qwen2, ...)."""
+    import torch
+
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ValueError(
+            f"{type(model).__name__} has no decoder layers at "
+            f"model.{getattr(model, 'base_model_prefix', 'model')}.layers, which the report "
+            f"shards one by one; pass {_SUPPORTED}"
+        )
+    return layers
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def wrap(model, backend: str, device, mesh=None):
+    """Shards each decoder layer, then the root, with ``backend``'s defaults."""
+    layers = decoder_layers(model)
+    if backend == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({type(layers[0])}), device_id=device
+    )
+
+
+def fsdp_units(model, backend: str) -> int:
+    if backend == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return len(FullyShardedDataParallel.fsdp_modules(model))
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def make_batch(cfg: ReportConfig, rank: int, device):
+    import torch
+
+    dims = cfg.dims()
+    gen = torch.Generator().manual_seed(cfg.seed + rank + 1)
+    ids = torch.randint(0, dims["vocab"], (dims["batch"], dims["seq_len"]), generator=gen)
+    advantages = torch.randn(dims["batch"], generator=gen)
+    return ids.to(device), advantages.to(device)

@@ -1,0 +1,109 @@
+"""The modes the report compares: one ``ModeSpec`` each, in ``MODES``.
+
+Adding a mode is one entry in ``MODES`` (and, if it runs its backward passes
+differently, a branch in ``_step.train_step``); the CLI, the rows, the bounds
+and the output follow from the entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+BACKWARDS = 2  # backward passes per step; passed to the library as ``backwards``
+KEEP_SLACK = 0.10  # keep: overhead <= unsharded bytes of all units + 10%
+REGATHER_SLACK = 0.05  # regather: overhead <= 5% of the two_forward peak
+
+# (sync_grads, two_forward peak bytes, unsharded param bytes) -> (bound bytes, why)
+Bound = Callable[[str | None, int, int], tuple[int, str]]
+
+
+def _keep_bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> tuple[int, str]:
+    # sync_grads="last" also holds the unsharded grads of all units until the last backward.
+    if sync_grads == "last":
+        return (int((1 + KEEP_SLACK) * 2 * unsharded),
+                "unsharded params + unsharded grads of all units +10%")
+    return int((1 + KEEP_SLACK) * unsharded), "unsharded params of all units +10%"
+
+
+def _regather_bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> tuple[int, str]:
+    return int(REGATHER_SLACK * baseline_peak), "5% of two_forward peak"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeSpec:
+    """How one mode runs a step, and what it promises about memory.
+
+    ``block``: the options of ``no_reshard_between_backwards`` (``None``: the
+    mode runs without the library); ``sync_grads``: the ``:<sync_grads>``
+    suffixes the mode takes, the first is the default; ``forwards``: forward
+    passes per step; ``bound``: the most memory the mode may add over
+    ``two_forward``.
+    """
+
+    name: str
+    what: str
+    block: dict[str, Any] | None = None
+    sync_grads: tuple[str, ...] = ()
+    forwards: int = 1
+    bound: Bound | None = None
+
+
+MODES: dict[str, ModeSpec] = {
+    spec.name: spec
+    for spec in (
+        ModeSpec("two_forward", "forward, backward, forward again, backward (no library)",
+                 forwards=2),
+        ModeSpec("naive", "one forward, backward(retain_graph=True), backward (no library)"),
+        ModeSpec("keep", "the library, keep_unsharded=True",
+                 block=dict(keep_unsharded=True), sync_grads=("every", "last"),
+                 bound=_keep_bound),
+        ModeSpec("regather", "the library, keep_unsharded=False",
+                 block=dict(keep_unsharded=False), sync_grads=("every", "last"),
+                 bound=_regather_bound),
+    )
+}
+DEFAULT_MODES = ("two_forward", "naive", "keep:every", "keep:last", "regather:every")
+
+
+def mode_labels() -> list[str]:
+    """Every label ``Mode.parse`` accepts, e.g. ``keep:last``."""
+    return [f"{s.name}:{sync}" if s.sync_grads else s.name
+            for s in MODES.values() for sync in (s.sync_grads or (None,))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One mode with its ``sync_grads``; ``label`` is ``name[:sync_grads]``."""
+
+    name: str
+    sync_grads: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Mode:
+        name, _, sync = text.partition(":")
+        spec = MODES.get(name)
+        if spec is not None and not spec.sync_grads and not sync:
+            return cls(name)
+        if spec is not None and spec.sync_grads and (not sync or sync in spec.sync_grads):
+            return cls(name, sync or spec.sync_grads[0])
+        labels = mode_labels()
+        raise ValueError(f"unknown mode {text!r}: use {', '.join(labels[:-1])} or {labels[-1]}")
+
+    @property
+    def spec(self) -> ModeSpec:
+        return MODES[self.name]
+
+    @property
+    def label(self) -> str:
+        return self.name if self.sync_grads is None else f"{self.name}:{self.sync_grads}"
+
+    @property
+    def uses_library(self) -> bool:
+        return self.spec.block is not None
+
+    def block_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``no_reshard_between_backwards`` for this mode."""
+        assert self.spec.block is not None, self
+        return {**self.spec.block, "sync_grads": self.sync_grads, "backwards": BACKWARDS}

@@ -1,0 +1,182 @@
+"""Merging every rank's results into rows, the comparisons with ``two_forward``, the report."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from ._config import ReportConfig
+from ._modes import BACKWARDS, MODES
+from ._output import render_fit_table, write_report
+from ._runner import say
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dict,
+                 world: int, simulated: bool) -> list[dict[str, Any]]:
+    """One row per mode from every rank's results (peaks: the largest rank)."""
+    rows = []
+    for mode in cfg.mode_list():
+        results = [r[mode.label] for r in per_rank]
+        first = results[0]
+        error = next((r["error"] for r in results if r.get("error")), None)
+        row: dict[str, Any] = {
+            "mode": mode.name,
+            "label": mode.label,
+            "backend": backend,
+            "sync_grads": mode.sync_grads,
+            "keep_unsharded": (mode.spec.block or {}).get("keep_unsharded"),
+            "backwards": BACKWARDS if mode.uses_library else None,
+            "ok": error is None,
+            "error": error,
+            "world_size": world,
+            "simulated": simulated,
+            "fsdp_units": meta.get("fsdp_units"),
+            "peak_bytes": None,
+            "peak_bytes_per_rank": None,
+            "memory_source": first.get("memory_source"),
+            "tracker_peak_bytes": None,
+            "breakdown": None,
+            "breakdown_detail": None,
+            "breakdown_error": None,
+            "step_time_s": None,
+            "timed_steps": 0,
+            "forward2_time_s": None,
+            "all_gathers_per_step": None,
+            "reduce_scatters_per_step": None,
+            "all_reduces_per_step": None,
+            "all_gather_bytes_per_step": None,
+            "reduce_scatter_bytes_per_step": None,
+        }
+        if error is None:
+            peaks = [r.get("peak_bytes") for r in results]
+            if all(p is not None for p in peaks):
+                top = max(range(len(peaks)), key=lambda i: peaks[i])
+                row.update(
+                    peak_bytes=peaks[top],
+                    peak_bytes_per_rank=peaks,
+                    tracker_peak_bytes=results[top].get("tracker_peak_bytes"),
+                    breakdown=results[top].get("breakdown"),
+                    breakdown_detail=results[top].get("breakdown_detail"),
+                    breakdown_error=results[top].get("breakdown_error"),
+                )
+            # A step ends when its slowest rank does.
+            times = [max(ts) for ts in zip(*(r["times"] for r in results))]
+            forward2 = [max(ts) for ts in zip(*(r["forward2_times"] for r in results))]
+            row.update(step_time_s=_median(times), timed_steps=len(times),
+                       forward2_time_s=_median(forward2))
+            counts = first.get("counts")
+            if counts is not None:
+                row.update(
+                    all_gathers_per_step=counts.get("all_gather", 0),
+                    reduce_scatters_per_step=counts.get("reduce_scatter", 0),
+                    all_reduces_per_step=counts.get("all_reduce", 0),
+                    all_gather_bytes_per_step=counts.get("all_gather_bytes", 0),
+                    reduce_scatter_bytes_per_step=counts.get("reduce_scatter_bytes", 0),
+                )
+        rows.append(row)
+    return rows
+
+
+def memory_bound(row: dict, baseline_peak: int, unsharded_bytes: int) -> tuple[int | None, str]:
+    """The most memory ``row``'s mode may add over ``two_forward``, and why.
+
+    ``keep``: the unsharded parameters of all units (kept from forward to the
+    last backward) +10%; with ``sync_grads="last"`` also their unsharded
+    gradients, which wait for the last backward. ``regather``: 5% of the
+    ``two_forward`` peak. See ``ModeSpec.bound`` in ``_modes.py``.
+    """
+    bound = MODES[row["mode"]].bound
+    if bound is None:
+        return None, ""
+    return bound(row["sync_grads"], baseline_peak, unsharded_bytes)
+
+
+def add_comparisons(rows: list[dict], unsharded_bytes: int) -> None:
+    """Fills savings and overheads against the ``two_forward`` row of each backend."""
+    for row in rows:
+        base = next((r for r in rows if r["backend"] == row["backend"]
+                     and r["mode"] == "two_forward" and r["world_size"] == row["world_size"]), None)
+        row.update(time_ratio=None, saved_time_s=None, ideal_saving_s=None,
+                   share_of_ideal_saving=None, memory_overhead_bytes=None,
+                   memory_bound_bytes=None, memory_bound=None, within_bound=None)
+        if base is None or not base["ok"] or not row["ok"]:
+            continue
+        if row["step_time_s"] is not None and base["step_time_s"]:
+            saved = base["step_time_s"] - row["step_time_s"]
+            ideal = base["forward2_time_s"]
+            row.update(
+                time_ratio=row["step_time_s"] / base["step_time_s"],
+                saved_time_s=saved,
+                ideal_saving_s=ideal,
+                share_of_ideal_saving=saved / ideal if ideal else None,
+            )
+        if row["peak_bytes"] is not None and base["peak_bytes"] is not None:
+            overhead = row["peak_bytes"] - base["peak_bytes"]
+            bound, why = memory_bound(row, base["peak_bytes"], unsharded_bytes)
+            row.update(memory_overhead_bytes=overhead, memory_bound_bytes=bound,
+                       memory_bound=why or None,
+                       within_bound=None if bound is None else overhead <= bound)
+
+
+def config_dict(cfg: ReportConfig, world: int, meta: dict, device) -> dict[str, Any]:
+    import torch
+
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    dims = cfg.dims()
+    out = {
+        "command": cfg.command,
+        "backends": list(cfg.backends),
+        "modes": list(cfg.modes),
+        "device": str(device.type),
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else f"cpu ({os.cpu_count()} cores)"),
+        "process_group": ("fake" if cfg.simulate_world_size
+                          else "nccl" if device.type == "cuda" else "gloo"),
+        "world_size": world,
+        "simulated": bool(cfg.simulate_world_size),
+        "dtype": cfg.dtype,
+        "size": None if cfg.model_config else cfg.size,
+        "model_config": cfg.model_config,
+        "model": f"{meta.get('model_class', 'Qwen2ForCausalLM')} (random weights)",
+        **{k: dims[k] for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")},
+        "tie_word_embeddings": dims["tie"],
+        "seq_len": dims["seq_len"],
+        "batch_per_rank": dims["batch"],
+        "param_count": meta.get("param_count"),
+        "unsharded_param_bytes": meta.get("unsharded_param_bytes"),
+        "backwards_per_step": BACKWARDS,
+        "warmup_steps": cfg.warmup,
+        "timed_steps": 0 if cfg.simulate_world_size else cfg.steps,
+        "optimizer": "SGD(lr=1e-5)",
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "python": sys.version.split()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return out
+
+
+def finish(cfg: ReportConfig, rows: list[dict], meta: dict, world: int, device) -> dict:
+    add_comparisons(rows, meta.get("unsharded_param_bytes") or 0)
+    report = {"config": config_dict(cfg, world, meta, device), "rows": rows}
+    paths = write_report(report, Path(cfg.out))
+    if not cfg.simulate_world_size:
+        print(paths["md_text"], flush=True)
+    say("wrote " + ", ".join(str(p) for k, p in paths.items() if k != "md_text"))
+    if cfg.simulate_world_size:
+        print(render_fit_table(report), flush=True)
+    return report
+

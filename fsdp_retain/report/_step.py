@@ -1,0 +1,56 @@
+"""One training step: two losses from one forward (two forwards for ``two_forward``)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ._hooks import NO_HOOKS, StepHooks
+from ._modes import Mode
+
+
+def token_logprobs(model, ids):
+    """Log-probability of each next token, from one forward."""
+    import torch
+
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+    picked = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return picked.float() - torch.logsumexp(logits, dim=-1).float()
+
+
+def logprob_loss(logp):
+    return -logp.mean()
+
+
+def policy_loss(logp, advantages):
+    return -(advantages[:, None] * logp).mean()
+
+
+def train_step(model, optimizer, batch, mode: Mode, hooks: StepHooks = NO_HOOKS) -> None:
+    """One optimizer step with the log-prob loss and the policy loss, run as ``mode`` says."""
+    from .. import no_reshard_between_backwards
+
+    ids, advantages = batch
+    if mode.spec.forwards == 2:
+        with hooks.segment():
+            logp = token_logprobs(model, ids)
+            logprob_loss(logp).backward()
+            del logp
+        hooks.mark("forward2_start")
+        with hooks.segment():
+            logp = token_logprobs(model, ids)
+            hooks.mark("forward2_end")
+            policy_loss(logp, advantages).backward()
+            del logp
+    else:
+        block = (
+            no_reshard_between_backwards(model, **mode.block_options())
+            if mode.uses_library
+            else contextlib.nullcontext()
+        )
+        with hooks.segment(), block:
+            logp = token_logprobs(model, ids)
+            logprob_loss(logp).backward(retain_graph=True)
+            policy_loss(logp, advantages).backward()
+            del logp
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
