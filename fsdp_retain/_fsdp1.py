@@ -578,12 +578,11 @@ class FSDP1Block(BlockBase):
         self._probe_sync = [(s, s._sync_gradients) for s in self._states]
         for state in self._states:
             state._sync_gradients = False
-        missing = _MISSING
         self._state_of = {handle: state for state, handle in self._handles}
         self._probe_grads = {
             handle: (
                 handle.flat_param.grad,
-                handle.flat_param.__dict__.get("_saved_grad_shard", missing),
+                handle.flat_param.__dict__.get("_saved_grad_shard", _MISSING),
             )
             for _, handle in self._handles
         }
