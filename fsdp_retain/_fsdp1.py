@@ -25,10 +25,11 @@ What the block does to FSDP1, per ``FlatParamHandle`` (one per unit):
 - ``create_graph=True`` backwards need ``keep_unsharded=True`` (refused
   otherwise); FSDP1's hooks work under it as long as nothing is re-gathered.
 - Probe passes (see [Note: probe passes] in ``_common.py``) run under
-  ``_sync_gradients=False``; the post-backward hooks on ``AccumulateGrad`` do
-  not fire, the root final callback's catch-all reshard frees what the pass
-  re-gathered, and what FSDP's pre-backward moved aside (a reduced ``.grad``
-  into ``_saved_grad_shard``) is put back when the pass ends.
+  ``_sync_gradients=False``. The post-backward hooks on ``AccumulateGrad`` do
+  not fire, so a gradient hook on each unit's input reshards the unit when
+  its backward is done (``keep_unsharded=False``, or the last known pass),
+  and what FSDP's pre-backward moved aside (a reduced ``.grad`` into
+  ``_saved_grad_shard``) is put back when the pass ends.
 
 Pass boundaries: a gradient hook on the root's forward outputs, registered
 after FSDP's own pre-backward hook, starts a pass and queues a callback that
@@ -53,6 +54,7 @@ import dataclasses
 import functools
 import traceback
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -79,6 +81,7 @@ _RUNTIME_FUNCTIONS = (
     "_lazy_init",
     "_post_backward_hook",
     "_post_backward_final_callback",
+    "_post_backward_reshard",
     "_reshard",
 )
 
@@ -255,6 +258,14 @@ class _Sentinel:
 _MISSING = object()
 
 
+@_loud
+def _unit_input_grad(block_ref: Any, state: Any, grad: torch.Tensor) -> None:
+    # A weak reference: the hook stays on the graph, the block must not.
+    block = block_ref()
+    if block is not None and block.probing:
+        block._probe_unit_done(state)
+
+
 def _version(t: torch.Tensor | None) -> int:
     return -1 if t is None else t._version
 
@@ -368,6 +379,9 @@ class FSDP1Block(BlockBase):
         self._hooks.append(self.model.register_forward_hook(self._after_forward))
         for state in self._states:
             self._hooks.append(self.capture_unit_inputs(state))
+            if state._handle is not None and state._handle.uses_sharded_strategy:
+                hook = functools.partial(self._hook_unit_inputs, state)
+                self._hooks.append(state.register_forward_pre_hook(hook, with_kwargs=True))
             # Inside FSDP's forward: before its post-forward registers the
             # pre-backward hooks, after its pre-forward unsharded the parameters.
             inner = require_attr(state, "_fsdp_wrapped_module", _FLAVOUR)
@@ -570,6 +584,23 @@ class FSDP1Block(BlockBase):
     # Probe passes #
     def _in_backward(self) -> bool:
         return _graph_task_id() != -1
+
+    def _hook_unit_inputs(self, state: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """Hooks the unit's inputs: their gradient is complete once the unit's
+        backward is done, which in a probe pass is when it can be resharded."""
+        if not torch.is_grad_enabled() or self._in_backward():
+            return
+        hook = functools.partial(_unit_input_grad, weakref.ref(self), state)
+        for tensor in grad_tensors((args, kwargs)):
+            tensor.register_hook(hook)  # lives as long as the graph
+
+    def _probe_unit_done(self, state: Any) -> None:
+        """What FSDP's post-backward hook would reshard, without reducing."""
+        handle = state._handle
+        if (self.options.keep_unsharded and not self._freeing) or handle.needs_unshard():
+            return
+        handle._training_state = self._phase.BACKWARD_POST
+        self._fsdp.post_backward_reshard(state, handle)
 
     def _before_probe(self) -> None:
         # Apply a zero_grad() since the last pass first (sync_grads="last"), so

@@ -402,3 +402,40 @@ def probe_misuse_gets_clear_errors() -> None:
     with no_reshard_between_backwards(model):
         model(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def _unsharded_blocks(model: nn.Module) -> list[int]:
+    """Indices of the blocks whose unsharded parameters own memory now."""
+    found = []
+    for i, block in enumerate(model.blocks if hasattr(model, "blocks") else model.module.blocks):
+        if hasattr(block, "_handle"):  # FSDP1 unit
+            flat_param = block._handle.flat_param
+            if flat_param._full_param_padded.untyped_storage().size():
+                found.append(i)
+        elif not fsdp2_param_groups(block)[0].is_sharded:
+            found.append(i)
+    return found
+
+
+@registry.case()
+def regathering_probe_frees_each_unit_after_its_backward() -> None:
+    """keep_unsharded=False, FSDP1 FULL_SHARD and FSDP2: when the probe pass
+    reaches the first block, the later blocks are resharded again (memory
+    stays that of one or two units, as in a normal pass)."""
+    for flavour in (_fsdp1_flavour(f1.FULL, False), _fsdp2_flavour(True)):
+        model = flavour.wrap(make_net())
+        seen: list[list[int]] = []
+        inner = model.module if hasattr(model, "module") else model
+        first_fc1 = inner.blocks[0].fc1
+
+        def forward_hook(module, args, out) -> None:
+            out.register_hook(lambda grad: seen.append(_unsharded_blocks(model)))
+
+        first_fc1.register_forward_hook(forward_hook)
+        with no_reshard_between_backwards(model, keep_unsharded=False) as block:
+            out = model(batch(0))
+            block.backward(LOSSES[0](out), param_grads=False, retain_graph=True)
+            probe_seen = seen.pop()
+            LOSSES[1](out).backward()
+        assert probe_seen == [0], f"{flavour.name}: unsharded during the probe: {probe_seen}"
+        assert seen == [[0]], f"{flavour.name}: unsharded during the normal pass: {seen}"
