@@ -8,7 +8,8 @@ pnp, npn). Activation-hook gradients of probe passes, final gradients and
 parameters match an unsharded reference over 3 SGD-momentum steps; probe
 passes leave .grad alone and reduce nothing (collectives counted). Also: the
 plain way (.backward() of the probe loss + zero_grad()) is wrong under
-accumulation; misuse gets clear errors.
+accumulation; with keep_unsharded=False a probe pass frees each unit after its
+backward (FSDP1 FULL_SHARD, FSDP2); misuse gets clear errors.
 """
 
 import pytest
