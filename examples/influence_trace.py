@@ -1,4 +1,4 @@
-"""RL actor update with influence tracing: two backward passes over one forward.
+"""RL actor update with influence tracing: a probe pass and a backward over one forward.
 
 Run (2 processes on CPU with a tiny model; on GPUs set --nproc_per_node to your GPU count):
 
@@ -8,23 +8,33 @@ Run (2 processes on CPU with a tiny model; on GPUs set --nproc_per_node to your 
 
 The model is a Hugging Face Qwen2 causal LM built from ``Qwen2Config`` with the
 published Qwen2.5 shapes and random weights (nothing is downloaded), sharded
-with FSDP per decoder layer. Each training step:
+with FSDP per decoder layer. Each optimizer step accumulates gradients over
+``--micro-batches`` micro-batches (default 2), as verl's actor does: every
+micro-batch but the last runs under FSDP2 ``set_requires_gradient_sync(False)``
+/ FSDP1 ``no_sync()``. Per micro-batch:
 
 1. one forward over a batch of sequences (prompt + response);
-2. backward 1 on the log-probabilities of the response tokens. Hooks on every
-   ``nn.Linear`` of every decoder layer keep, per sequence, a fixed random
-   projection of that sequence's weight gradient (the per-sample gradients are
-   never formed; see ``GradientProjector``). These projections are what
-   influence tracing stores;
-3. ``optimizer.zero_grad()``: backward 1's parameter gradients are not wanted;
-4. backward 2 on the policy-gradient loss, ``-advantage * log-prob``;
-5. ``optimizer.step()``.
+2. backward 1 on the log-probabilities of the response tokens, only for its
+   hooks: hooks on every ``nn.Linear`` of every decoder layer keep, per
+   sequence, a fixed random projection of that sequence's weight gradient
+   (the per-sample gradients are never formed; see ``GradientProjector``).
+   These projections are what influence tracing stores. Its parameter
+   gradients are not wanted;
+3. backward 2 on the policy-gradient loss, ``-advantage * log-prob``,
+   accumulated over the micro-batches;
 
-``--mode two_forward`` is the usual way under FSDP (a second forward before
-backward 2); ``--mode retain`` runs both backward passes over one forward
-inside ``no_reshard_between_backwards``; ``--mode both`` (default) trains two
-copies of the model from one initialisation, alternating steps, prints the
-median time of each phase for both ways, and exits with status 1 unless the
+then ``optimizer.step()``.
+
+``--mode two_forward`` is the usual way under FSDP: backward 1 and a
+``zero_grad()`` for every micro-batch first (a ``zero_grad()`` between the
+passes of one micro-batch would erase the earlier micro-batches), then a
+second forward and backward 2 per micro-batch. ``--mode retain`` runs both
+passes over one forward inside ``no_reshard_between_backwards``, backward 1 as
+a probe pass (``block.backward(..., param_grads=False)``): no parameter
+gradients, no weight-gradient matmuls, nothing reduced, and the accumulated
+gradients left alone. ``--mode both`` (default) trains two copies of the model
+from one initialisation, alternating steps, prints the median time of each
+phase (per micro-batch) for both ways, and exits with status 1 unless the
 projections and the final parameters agree.
 """
 
@@ -205,47 +215,66 @@ class PhaseTimer:
         self.times[phase].append(time.perf_counter() - start)
 
 
-def step_two_forward(model, optimizer, projector, batch, timer):
-    ids, mask, advantages = batch
-    with timer("forward 1"), projector.record_inputs():
-        logp = token_logprobs(model, ids)
-    with timer("backward 1"), projector.collect():
-        (logp * mask).sum().backward()
-    projections = projector.take()
-    optimizer.zero_grad()
-    with timer("forward 2"):
-        logp = token_logprobs(model, ids)  # the second forward this library removes
-    with timer("backward 2"):
-        policy_loss(logp, mask, advantages).backward()
-    with timer("optimizer"):
-        optimizer.step()
-        optimizer.zero_grad()
-    return projections
+def maybe_no_sync(model: nn.Module, sync: bool):
+    """Gradient accumulation: no gradient reduction unless ``sync`` (verl's shape)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if sync else model.no_sync()  # FSDP1
 
 
-def step_retain(model, optimizer, projector, batch, timer):
-    ids, mask, advantages = batch
-    # New code #
-    # sync_grads="last": backward 1's gradients are dropped by zero_grad(), so
-    # only backward 2 reduce-scatters; backwards=2: backward 2 frees each layer
-    # as soon as its gradients are done.
-    with no_reshard_between_backwards(model, sync_grads="last", backwards=2):
+def step_two_forward(model, optimizer, projector, micro_batches, timer):
+    projections = []
+    for ids, mask, advantages in micro_batches:
         with timer("forward 1"), projector.record_inputs():
             logp = token_logprobs(model, ids)
         with timer("backward 1"), projector.collect():
-            (logp * mask).sum().backward(retain_graph=True)
-        projections = projector.take()
+            (logp * mask).sum().backward()
+        projections.append(projector.take())
         optimizer.zero_grad()
-        with timer("backward 2"):
-            policy_loss(logp, mask, advantages).backward()
+    for i, (ids, mask, advantages) in enumerate(micro_batches):
+        with maybe_no_sync(model, i == len(micro_batches) - 1):
+            with timer("forward 2"):
+                logp = token_logprobs(model, ids)  # the second forward this library removes
+            with timer("backward 2"):
+                (policy_loss(logp, mask, advantages) / len(micro_batches)).backward()
     with timer("optimizer"):
         optimizer.step()
         optimizer.zero_grad()
-    return projections
+    return _concat(projections)
+
+
+def step_retain(model, optimizer, projector, micro_batches, timer):
+    projections = []
+    for i, (ids, mask, advantages) in enumerate(micro_batches):
+        # New code #
+        # backwards=2: backward 2 frees each layer as soon as its gradients are
+        # done. Backward 1 is a probe pass: it computes no parameter gradients
+        # and reduces nothing, so only backward 2 reduce-scatters (in the
+        # micro-batch that syncs).
+        with maybe_no_sync(model, i == len(micro_batches) - 1), no_reshard_between_backwards(
+            model, backwards=2
+        ) as block:
+            with timer("forward 1"), projector.record_inputs():
+                logp = token_logprobs(model, ids)
+            with timer("backward 1"), projector.collect():
+                block.backward((logp * mask).sum(), param_grads=False, retain_graph=True)
+            projections.append(projector.take())
+            with timer("backward 2"):
+                (policy_loss(logp, mask, advantages) / len(micro_batches)).backward()
+    with timer("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad()
+    return _concat(projections)
+
+
+def _concat(projections: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Per layer, the projections of all micro-batches' sequences."""
+    return [torch.cat(per_layer) for per_layer in zip(*projections)]
 
 
 def make_batch(step: int, sequences: int, tokens: int, vocab: int, device: torch.device):
-    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank() + 1)
+    gen = torch.Generator().manual_seed(1000 * step + 100 * dist.get_rank() + 1)
     ids = torch.randint(vocab, (sequences, tokens), generator=gen)
     prompt_len = torch.randint(1, tokens // 2, (sequences, 1), generator=gen)
     mask = (torch.arange(1, tokens)[None, :] >= prompt_len).float()  # response tokens
@@ -272,7 +301,10 @@ def parse_args() -> argparse.Namespace:
         "--projection-dim-factor", type=int, default=32,
         help="each Linear's d_in and d_out are projected to d // factor",
     )
-    parser.add_argument("--batch", type=int, default=None, help="sequences per rank")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per rank per micro-batch")
+    parser.add_argument(
+        "--micro-batches", type=int, default=2, help="micro-batches per optimizer step"
+    )
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="default: 6 (tiny), 12")
     parser.add_argument("--warmup", type=int, default=None, help="default: 1 (tiny), 2")
@@ -364,13 +396,16 @@ def main() -> None:
 
     proj_diff, proj_dims = 0.0, 0
     for step in range(args.steps):
-        batch = make_batch(step, args.batch, args.seq_len, vocab, device)
+        micro_batches = [
+            make_batch(args.micro_batches * step + i, args.batch, args.seq_len, vocab, device)
+            for i in range(args.micro_batches)
+        ]
         projections = {}
         for mode in modes:  # alternate the ways so both see the same machine load
             timer = timers[mode] if step >= args.warmup else PhaseTimer(device)
             with timer("step"):
                 projections[mode] = step_fns[mode](
-                    models[mode], optimizers[mode], projectors[mode], batch, timer
+                    models[mode], optimizers[mode], projectors[mode], micro_batches, timer
                 )
         proj_dims = sum(p.shape[1] for p in projections[modes[0]])
         if len(modes) == 2:
@@ -381,8 +416,9 @@ def main() -> None:
     if rank == 0:
         print(
             f"Qwen2 {args.size} ({params / 1e6:.1f}M params, random weights), FSDP{args.fsdp}, "
-            f"{world} ranks, {device.type}, {dtype_name}; {args.batch} sequences x "
-            f"{args.seq_len} tokens per rank; {args.steps} steps ({args.warmup} warm-up)"
+            f"{world} ranks, {device.type}, {dtype_name}; {args.micro_batches} micro-batches of "
+            f"{args.batch} sequences x {args.seq_len} tokens per rank per step; "
+            f"{args.steps} steps ({args.warmup} warm-up)"
         )
         print(
             f"gradient projections: {projectors[modes[0]].num_layers} layers, {proj_dims} "

@@ -105,7 +105,13 @@ def no_reshard_between_backwards(
     On an exception inside the block nothing is communicated: parameters are
     resharded locally and gradients that were not yet reduced are dropped.
 
-    The object bound by ``as`` has ``backward_passes`` (passes seen so far).
+    The object bound by ``as`` has ``backward_passes`` (passes seen so far,
+    probe passes included) and ``backward(loss, *, param_grads=True,
+    retain_graph=None)``: with ``param_grads=False`` a probe pass that only
+    feeds hooks on activations, computes no parameter gradients, leaves every
+    gradient (also those held unreduced) as it is and reduces nothing (see
+    ``[Note: probe passes]`` in ``fsdp_retain/_common.py``). ``backwards``
+    counts probe passes too.
 
     Example::
 
@@ -115,6 +121,12 @@ def no_reshard_between_backwards(
             optimizer.zero_grad()
             policy_loss(out).backward()
         optimizer.step()
+
+        # Backward 1 only for its activation hooks, accumulating over micro-batches:
+        with maybe_no_sync(model), no_reshard_between_backwards(model) as block:
+            out = model(micro_batch)
+            block.backward(logp_loss(out), param_grads=False, retain_graph=True)
+            policy_loss(out).backward()
     """
     options = RetainOptions(
         keep_unsharded=keep_unsharded, sync_grads=sync_grads, backwards=backwards

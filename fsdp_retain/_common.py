@@ -26,15 +26,41 @@ assumes each graph is walked exactly once:
 (``keep_unsharded=False``), and decides when gradients are reduced
 (``sync_grads``). When the block ends the storage is freed again; the graph
 may still hold the tensor objects, but they then own no memory.
+
+[Note: probe passes]
+``block.backward(loss, param_grads=False)`` is a backward that exists only for
+its hooks on activations. It differentiates ``loss`` with respect to the
+inputs of the FSDP units, recorded at forward as autograd edges (by a forward
+pre-hook that runs before FSDP's own pre-forward), with
+``torch.autograd.grad``. The engine then runs only the nodes on a path from
+``loss`` to those edges: every weight-gradient matmul and every
+``AccumulateGrad`` is skipped, so no parameter gradient exists to reduce.
+Hooks on activations downstream of a unit input fire with the gradients a
+plain backward gives them; hooks on parameters, and anything upstream of the
+first unit's input (e.g. the embedding), do not fire.
+
+FSDP's own backward machinery still runs: pre-backward hooks on unit outputs
+(re-gathering with ``keep_unsharded=False``), per-unit post-backward (FSDP2's
+autograd function on unit inputs; FSDP1's ``AccumulateGrad`` hook does not
+fire) and the root final callback. For the pass the backend turns gradient
+reduction off (FSDP2 ``reduce_grads=False``, FSDP1 ``_sync_gradients=False``)
+and puts back what FSDP moves aside on the way (FSDP1's pre-backward moves a
+reduced ``.grad`` into ``_saved_grad_shard``), so ``.grad`` and the gradients
+FSDP holds unreduced (``no_sync()`` micro-batches, ``sync_grads="last"``)
+come out exactly as they went in. A probe pass is a backward pass for the
+block's bookkeeping: it counts toward ``backwards=N`` and
+``backward_passes``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence
 
 _SYNC_GRADS = ("every", "last")
 
@@ -128,16 +154,116 @@ class BlockBase:
     A backend sets ``self.model``, ``self.options``, ``self.tracker`` and
     implements ``_root_decided``, ``_install_at_first_forward``, ``_install``,
     ``_finish``, ``_abort`` and ``_uninstall`` (which calls ``_release_model``).
+    For probe passes (``backward(..., param_grads=False)``) it sets
+    ``self._unit_inputs = {}``, calls ``self.capture_unit_inputs(module)`` on
+    each FSDP unit module while installing, and implements ``_in_backward``,
+    ``_before_probe`` (what must hold before FSDP's first pre-backward hook of
+    the pass runs) and ``_end_probe``; inside the pass ``self.probing`` is
+    true, so its pass hooks can keep every gradient reduction off.
     """
 
     model: nn.Module
     tracker: PassTracker
+    # (id(node), output_nr) -> GradientEdge of each FSDP unit input seen in forward.
+    _unit_inputs: dict[tuple[int, int], Any]
     _installed: bool = False
     _deferred_hook = None
+    probing: bool = False
+    _exited: bool = False
 
     @property
     def backward_passes(self) -> int:
         return self.tracker.started
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        param_grads: bool = True,
+        retain_graph: bool | None = None,
+    ) -> None:
+        """One backward pass of ``loss`` inside the block.
+
+        ``param_grads=True`` is ``loss.backward(retain_graph=retain_graph)``.
+        ``param_grads=False`` is a probe pass: hooks on activations and full
+        backward hooks on modules inside FSDP units fire with the gradients a
+        plain backward gives them, but no parameter gradient is computed, no
+        ``.grad`` changes (nor the gradients FSDP holds unreduced: ``no_sync()``
+        micro-batches, passes held back by ``sync_grads="last"``), and nothing
+        is reduced. See [Note: probe passes].
+
+        Example::
+
+            with no_reshard_between_backwards(model) as block:
+                out = model(batch)
+                block.backward(logp_loss(out), param_grads=False, retain_graph=True)
+                policy_loss(out).backward()
+        """
+        if not isinstance(param_grads, bool):
+            raise TypeError(
+                f"param_grads must be a bool, got {param_grads!r}: True runs a normal "
+                "backward, False a probe pass that only feeds gradient hooks"
+            )
+        if self._exited:
+            raise RuntimeError(
+                "block.backward() was called after its no_reshard_between_backwards "
+                "block exited. Call it inside the `with` statement."
+            )
+        if param_grads:
+            loss.backward(retain_graph=retain_graph)
+            return
+        edges = list(self._unit_inputs.values())
+        if not edges:
+            raise ValueError(
+                "block.backward(..., param_grads=False) has nothing to differentiate "
+                "against: no FSDP unit got an input that requires grad in this block's "
+                "forward, e.g. when only the root is wrapped. Wrap the layers too "
+                "(fully_shard(layer) / FullyShardedDataParallel(auto_wrap_policy=...)) "
+                "so their inputs are activations, or use param_grads=True."
+            )
+        self._before_probe()
+        self.probing = True
+        try:
+            # See [Note: probe passes]. Gradients of the unit inputs are
+            # returned, not stored; materialize nothing into .grad.
+            torch.autograd.grad(loss, edges, retain_graph=retain_graph, allow_unused=True)
+        finally:
+            self.probing = False
+        # Normally done at the pass end already; not if the loss reached no unit.
+        self._end_probe()
+
+    # Probe passes #
+    def capture_unit_inputs(self, module: nn.Module) -> object:
+        """Forward pre-hook handle that records ``module``'s inputs as probe targets.
+
+        Registered in front of FSDP's own pre-forward, so it sees the inputs
+        before FSDP wraps them (FSDP2 routes them through its post-backward
+        autograd function; FSDP1 casts them): the probe pass then runs FSDP's
+        per-unit post-backward for every unit it walks through.
+        """
+        return module.register_forward_pre_hook(
+            self._capture_inputs, prepend=True, with_kwargs=True
+        )
+
+    def _capture_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not torch.is_grad_enabled() or self._in_backward():
+            return  # no graph, or an activation-checkpointing recompute
+        from torch.autograd.graph import get_gradient_edge
+
+        for tensor in grad_tensors((args, kwargs)):
+            # An edge keeps the autograd node, not the activation's memory.
+            edge = get_gradient_edge(tensor)
+            self._unit_inputs.setdefault((id(edge.node), edge.output_nr), edge)
+
+    def _before_probe(self) -> None:
+        """Backend: prepare FSDP before a probe pass starts."""
+
+    def _end_probe(self) -> None:
+        """Backend: undo ``_before_probe`` and the pass's flags (idempotent)."""
+
+    def _in_backward(self) -> bool:
+        """Backend: whether autograd is running a backward now."""
+        raise NotImplementedError
 
     def enter(self) -> None:
         setattr(self.model, ACTIVE_ATTR, True)
@@ -154,6 +280,8 @@ class BlockBase:
             raise
 
     def exit(self, exc: BaseException | None) -> None:
+        self._exited = True
+        self._unit_inputs.clear()
         try:
             if not self._installed:
                 return
@@ -175,6 +303,34 @@ class BlockBase:
         self._installed = False
         if getattr(self.model, ACTIVE_ATTR, False):
             delattr(self.model, ACTIVE_ATTR)
+
+def grad_tensors(obj: Any, found: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors that require grad in a forward's inputs or outputs, looking
+    into the containers FSDP registers its hooks through (dataclasses, packed
+    sequences, dicts, lists, tuples, sets).
+
+    A plain function on purpose: FSDP's helper is a closure that refers to
+    itself, a reference cycle that keeps the hook it is given (and whatever
+    that refers to) alive until the garbage collector runs.
+    """
+    if found is None:
+        found = []
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            found.append(obj)
+    elif hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            grad_tensors(getattr(obj, field.name), found)
+    elif isinstance(obj, PackedSequence):
+        grad_tensors(obj.data, found)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            grad_tensors(value, found)
+    elif isinstance(obj, (list, tuple, set)):
+        for value in obj:
+            grad_tensors(value, found)
+    return found
+
 
 def create_graph_needs_keep() -> RuntimeError:
     """Backward hooks run with grad mode on only under ``create_graph=True``."""

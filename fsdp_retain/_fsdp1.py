@@ -24,6 +24,12 @@ What the block does to FSDP1, per ``FlatParamHandle`` (one per unit):
   the gradients FSDP holds aside from before the block (``_record_sentinels``).
 - ``create_graph=True`` backwards need ``keep_unsharded=True`` (refused
   otherwise); FSDP1's hooks work under it as long as nothing is re-gathered.
+- Probe passes (see [Note: probe passes] in ``_common.py``) run under
+  ``_sync_gradients=False``. The post-backward hooks on ``AccumulateGrad`` do
+  not fire, so a gradient hook on each unit's input reshards the unit when
+  its backward is done (``keep_unsharded=False``, or the last known pass),
+  and what FSDP's pre-backward moved aside (a reduced ``.grad`` into
+  ``_saved_grad_shard``) is put back when the pass ends.
 
 Pass boundaries: a gradient hook on the root's forward outputs, registered
 after FSDP's own pre-backward hook, starts a pass and queues a callback that
@@ -48,12 +54,12 @@ import dataclasses
 import functools
 import traceback
 import types
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.utils.rnn import PackedSequence
 
 from ._common import (
     BlockBase,
@@ -61,6 +67,7 @@ from ._common import (
     PassTracker,
     RetainOptions,
     create_graph_needs_keep,
+    grad_tensors,
     missing_internal,
     require_attr,
     warn_once,
@@ -74,6 +81,7 @@ _RUNTIME_FUNCTIONS = (
     "_lazy_init",
     "_post_backward_hook",
     "_post_backward_final_callback",
+    "_post_backward_reshard",
     "_reshard",
 )
 
@@ -203,34 +211,6 @@ def _queue_callback(fn) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
-def _grad_tensors(obj: Any, found: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The tensors that require grad in a forward's output, looking into the
-    containers FSDP1 registers its pre-backward hooks through
-    (``torch.distributed.utils._apply_to_tensors``).
-
-    A plain function on purpose: FSDP's helper is a closure that refers to
-    itself, a reference cycle that keeps the hook it is given (and whatever
-    that refers to) alive until the garbage collector runs.
-    """
-    if found is None:
-        found = []
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
-            found.append(obj)
-    elif hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            _grad_tensors(getattr(obj, field.name), found)
-    elif isinstance(obj, PackedSequence):
-        _grad_tensors(obj.data, found)
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            _grad_tensors(value, found)
-    elif isinstance(obj, (list, tuple, set)):
-        for value in obj:
-            _grad_tensors(value, found)
-    return found
-
-
 def _graph_task_id() -> int:
     """The running backward's id, -1 outside backward (as FSDP2 asks)."""
     get_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -273,6 +253,17 @@ class _Sentinel:
         return _version(self.flat_grad) != self.version or any(
             _version(g) != v for g, v in zip(self.param_grads, self.param_versions)
         )
+
+
+_MISSING = object()
+
+
+@_loud
+def _unit_input_grad(block_ref: Any, state: Any, grad: torch.Tensor) -> None:
+    # A weak reference: the hook stays on the graph, the block must not.
+    block = block_ref()
+    if block is not None and block.probing:
+        block._probe_unit_done(state)
 
 
 def _version(t: torch.Tensor | None) -> int:
@@ -350,6 +341,12 @@ class FSDP1Block(BlockBase):
         self._counts: dict[Any, list[int]] = {}
         self._alive = _Liveness()  # shared with the guard hooks on the graph
         self._sentinels: dict[Any, _Sentinel] = {}
+        self._unit_inputs = {}
+        # Probe pass: each state's _sync_gradients and each handle's
+        # (.grad, _saved_grad_shard) before it.
+        self._probe_sync: list[tuple[Any, bool]] = []
+        self._probe_grads: dict[Any, tuple[Any, Any]] = {}
+        self._state_of: dict[Any, Any] = {}
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -361,6 +358,7 @@ class FSDP1Block(BlockBase):
             raise ValueError(_non_root_message(self.model))
         self._fsdp.lazy_init(self.model, self.model)
         self._install()
+        self._capture_inputs(module, args, {})  # the new hook runs from the next forward
 
     def _install(self) -> None:
         self._states = list(require_attr(self.model, "_all_fsdp_states", _FLAVOUR))
@@ -380,6 +378,10 @@ class FSDP1Block(BlockBase):
                 handle.pre_unshard = functools.partial(self._pre_unshard, handle, original)
         self._hooks.append(self.model.register_forward_hook(self._after_forward))
         for state in self._states:
+            self._hooks.append(self.capture_unit_inputs(state))
+            if state._handle is not None and state._handle.uses_sharded_strategy:
+                hook = functools.partial(self._hook_unit_inputs, state)
+                self._hooks.append(state.register_forward_pre_hook(hook, with_kwargs=True))
             # Inside FSDP's forward: before its post-forward registers the
             # pre-backward hooks, after its pre-forward unsharded the parameters.
             inner = require_attr(state, "_fsdp_wrapped_module", _FLAVOUR)
@@ -467,14 +469,14 @@ class FSDP1Block(BlockBase):
         order = require_attr(self.model, "_exec_order_data", _FLAVOUR)
         self._forward_order = list(order.handles_post_forward_order)
         self._forward_indices = {h: h._post_forward_index for _, h in self._handles}
-        for t in _grad_tensors(output):
+        for t in grad_tensors(output):
             self._hooks.append(t.register_hook(self._pass_start_hook))
 
     def _guard_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
         guard = functools.partial(_backward_after_exit, self._alive)
-        for t in _grad_tensors(output):
+        for t in grad_tensors(output):
             t.register_hook(guard)  # lives as long as the graph
 
     def _capture_acc_grad(self, state: Any, handle: Any, module: nn.Module, args: Any) -> None:
@@ -544,12 +546,14 @@ class FSDP1Block(BlockBase):
         self._check_sentinels()  # units whose pre-backward has not run yet
         if self.options.backwards is not None and index >= self.options.backwards:
             self._freeing = True
-            self._restore_sync()
+            if not self.probing:
+                self._restore_sync()
 
     @_loud
     def _on_pass_end(self) -> None:
         self._pass_open = False
         self.tracker.end()
+        self._end_probe()
         fsdp = self._fsdp
         for state, handle in self._handles:
             flat_param = handle.flat_param
@@ -576,6 +580,71 @@ class FSDP1Block(BlockBase):
         for _, handle in self._handles:
             handle._post_forward_index = self._forward_indices.get(handle)
         self._record_sentinels()
+
+    # Probe passes #
+    def _in_backward(self) -> bool:
+        return _graph_task_id() != -1
+
+    def _hook_unit_inputs(self, state: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """Hooks the unit's inputs: their gradient is complete once the unit's
+        backward is done, which in a probe pass is when it can be resharded."""
+        if not torch.is_grad_enabled() or self._in_backward():
+            return
+        hook = functools.partial(_unit_input_grad, weakref.ref(self), state)
+        for tensor in grad_tensors((args, kwargs)):
+            tensor.register_hook(hook)  # lives as long as the graph
+
+    def _probe_unit_done(self, state: Any) -> None:
+        """What FSDP's post-backward hook would reshard, without reducing."""
+        handle = state._handle
+        if (self.options.keep_unsharded and not self._freeing) or handle.needs_unshard():
+            return
+        handle._training_state = self._phase.BACKWARD_POST
+        self._fsdp.post_backward_reshard(state, handle)
+
+    def _before_probe(self) -> None:
+        # Apply a zero_grad() since the last pass first (sync_grads="last"), so
+        # that the snapshot below is what the next normal pass must see.
+        self._check_sentinels()
+        self._probe_sync = [(s, s._sync_gradients) for s in self._states]
+        for state in self._states:
+            state._sync_gradients = False
+        self._state_of = {handle: state for state, handle in self._handles}
+        self._probe_grads = {
+            handle: (
+                handle.flat_param.grad,
+                handle.flat_param.__dict__.get("_saved_grad_shard", _MISSING),
+            )
+            for _, handle in self._handles
+        }
+
+    def _end_probe(self) -> None:
+        """Undoes what FSDP's pre-backward did to the gradients in a probe pass."""
+        for state, value in self._probe_sync:
+            state._sync_gradients = value
+        self._probe_sync = []
+        for handle, (grad, saved) in self._probe_grads.items():
+            flat_param = handle.flat_param
+            if handle._use_orig_params and not handle.uses_sharded_strategy:
+                # NO_SHARD: the catch-all reshard takes the unit for resharded
+                # (pytorch/pytorch#83956), so put back the parameter views that
+                # the post-backward hook would have.
+                state = self._state_of[handle]
+                self._fsdp.reshard(state, handle, False)
+                if flat_param.grad is not None:
+                    handle._use_sharded_grad_views()
+            now = flat_param.__dict__.get("_saved_grad_shard", _MISSING)
+            if flat_param.grad is grad and now is saved:
+                continue
+            # prepare_gradient_for_backward() moved a reduced .grad aside.
+            flat_param.grad = grad
+            if saved is _MISSING:
+                flat_param.__dict__.pop("_saved_grad_shard", None)
+            else:
+                flat_param._saved_grad_shard = saved
+            if handle._use_orig_params:
+                handle._use_sharded_grad_views()
+        self._probe_grads = {}
 
     # Exit helpers #
     def _reshard_all(self) -> None:

@@ -15,6 +15,10 @@ What the block does to FSDP2, per FSDP parameter group (one per unit):
   order recorded by the forward is replayed on every pass.
 - ``sync_grads="last"``: ``reduce_grads=False`` until the last pass (or the
   block exit), so unsharded gradients accumulate and are reduce-scattered once.
+- Probe passes (see [Note: probe passes] in ``_common.py``): ``reduce_grads``
+  and ``all_reduce_grads`` are ``False`` from the pass start to its end; the
+  per-unit post-backward then only reshards (``keep_unsharded=False``) and
+  leaves the accumulated unsharded gradients as they are.
 
 Pass boundaries come from FSDP2 itself: the first pre-backward hook of a pass
 queues FSDP2's root final callback; we wrap that registration to learn that a
@@ -151,6 +155,8 @@ class FSDP2Block(BlockBase):
         self._prefetch: tuple[list[Any], list[list[int]]] | None = None
         self._sentinels: dict[Any, _Sentinel] = {}
         self._pending_unreduced = False
+        self._unit_inputs = {}
+        self._probe_flags: list[tuple[Any, bool, bool]] = []
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -167,6 +173,7 @@ class FSDP2Block(BlockBase):
             )
         require_attr(self._state, "_lazy_init", _FLAVOUR)()
         self._install()
+        self._capture_inputs(module, args, {})  # the new hook runs from the next forward
 
     def _install(self) -> None:
         state_ctx = require_attr(self._state, "_state_ctx", _FLAVOUR)
@@ -190,6 +197,9 @@ class FSDP2Block(BlockBase):
             original = require_attr(state, _PASS_START_HOOK, _FLAVOUR)
             setattr(state, _PASS_START_HOOK, self._wrap_pass_start(state, original))
             self._patched.append(state)
+        for state in self._states:
+            for module in require_attr(state, "_modules", _FLAVOUR):
+                self._forward_hooks.append(self.capture_unit_inputs(module))
         if opts.keep_unsharded:
             for group in self._groups:
                 for module in group.modules:
@@ -240,6 +250,16 @@ class FSDP2Block(BlockBase):
                     group.reshard()
         self._swapped.clear()
 
+    def _end_probe(self) -> None:
+        for group, reduce_grads, all_reduce_grads in self._probe_flags:
+            group.reduce_grads = reduce_grads
+            group.all_reduce_grads = all_reduce_grads
+        self._probe_flags.clear()
+
+    def _in_backward(self) -> bool:
+        get_id = getattr(torch._C, "_current_graph_task_id", None)
+        return get_id is not None and get_id() != -1
+
     # Pass boundaries #
     def _wrap_pass_start(self, state: Any, original):
         def register_final_callback() -> None:
@@ -278,10 +298,21 @@ class FSDP2Block(BlockBase):
                 if opts.sync_grads == "last":
                     group.reduce_grads = saved["reduce_grads"]
                     group.all_reduce_grads = saved["all_reduce_grads"]
-        self._pending_unreduced = opts.sync_grads == "last" and not final
+        if self.probing:
+            # Reduce nothing; held-back gradients stay pending (flushed at exit
+            # if this was the last pass).
+            self._probe_flags = [
+                (g, g.reduce_grads, g.all_reduce_grads) for g in self._groups
+            ]
+            for group in self._groups:
+                group.reduce_grads = False
+                group.all_reduce_grads = False
+        else:
+            self._pending_unreduced = opts.sync_grads == "last" and not final
 
     def _on_pass_end(self) -> None:
         self.tracker.end()
+        self._end_probe()
         if self.options.keep_unsharded:
             self._show_sharded()
         if self._pending_unreduced:

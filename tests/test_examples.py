@@ -20,9 +20,11 @@ all-gathers, so agreement alone would not show that the block did anything).
   ``accelerator.accumulate`` that do not sync reduce-scatter nothing.
 - accelerate/train.py launched without the shim (accelerate falls back to
   independent processes) and with ``ACCELERATE_USE_CPU=1`` (DDP): it refuses.
-- influence_trace.py at tiny size, FSDP2 and FSDP1, ``--mode both``: gradient
-  projections and final parameters agree between the two ways; one all-gather
-  and (``sync_grads="last"``) one reduce-scatter per FSDP unit per step.
+- influence_trace.py at tiny size, FSDP2 and FSDP1, ``--mode both`` (2
+  micro-batches per step, the first without gradient sync, backward 1 a probe
+  pass): gradient projections and final parameters agree between the two
+  ways; one all-gather per FSDP unit per micro-batch and one reduce-scatter
+  per unit per step.
 - The influence example's ``GradientProjector`` against per-sequence gradients
   computed one sequence at a time (in this process, no FSDP).
 """
@@ -158,7 +160,8 @@ def test_accelerate_train_refuses_fallback(env, fallback):
 
 @pytest.mark.parametrize("fsdp", [2, 1])
 def test_influence_trace(fsdp):
-    """influence_trace.py --size tiny (2 layers + root) --mode both --fsdp {2,1}, 2 CPU ranks."""
+    """influence_trace.py --size tiny (2 layers + root) --mode both --fsdp {2,1}, 2 CPU ranks,
+    2 micro-batches per step."""
     steps, units = 6, 2 + 1
     args = ["--size", "tiny", "--fsdp", str(fsdp), "--steps", str(steps)]
     out = _check_ok(_torchrun("influence_trace.py", *args))
@@ -169,9 +172,12 @@ def test_influence_trace(fsdp):
     assert update > 0 and diff <= 1e-4 * update
     assert re.search(r"forward 2\s+\S+\s+-", out), "retain must not run a second forward"
     assert re.search(r"retain saves -?\d+% of the step", out)
-    # keep_unsharded=True, sync_grads="last", backwards=2: U all-gathers, U reduce-scatters.
-    expected = {"passes": 2, "all_gather": units, "reduce_scatter": units, "all_reduce": 0}
-    assert _blocks(out) == [expected] * steps
+    # One block per micro-batch (2 per step), each a probe pass and a normal pass
+    # with keep_unsharded=True: U all-gathers; the probe pass reduces nothing, so
+    # U reduce-scatters in the micro-batch that syncs and none in the no-sync one.
+    no_sync = {"passes": 2, "all_gather": units, "reduce_scatter": 0, "all_reduce": 0}
+    synced = {"passes": 2, "all_gather": units, "reduce_scatter": units, "all_reduce": 0}
+    assert _blocks(out) == [no_sync, synced] * steps
 
 
 def _load_influence_trace():
