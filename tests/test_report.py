@@ -1,7 +1,7 @@
 """The memory report (scripts/memory_report.py) on a tiny Qwen2, CPU/gloo, world size 2.
 
-One launch runs both backends (fsdp2, fsdp1) and the five default modes
-(two_forward, naive, keep:every, keep:last, regather:every) with 1 warm-up and
+One launch runs both backends (fsdp2, fsdp1) and the six default modes
+(two_forward, naive, keep:every, keep:last, probe:every, regather:every) with 1 warm-up and
 3 timed steps; the tests read the returned report and the files it wrote.
 A second run of the script (a subprocess) simulates the same 2 ranks with a
 fake process group and is compared with the real run; a third simulates the
@@ -33,6 +33,7 @@ OPTIONAL_KEYS = (
     "all_gathers_per_step", "reduce_scatters_per_step", "all_gather_bytes_per_step",
     "reduce_scatter_bytes_per_step", "time_ratio", "saved_time_s", "ideal_saving_s",
     "share_of_ideal_saving", "memory_overhead_bytes", "memory_bound_bytes", "within_bound",
+    "backward1_time_s",
 )
 BREAKDOWN_KEYS = {"sharded_params", "unsharded_params", "grads", "activations", "other"}
 
@@ -108,7 +109,7 @@ def test_fsdp1_naive_records_the_crash(report):
 
 def test_fsdp1_library_rows_ok_or_clear_error(report):
     for r in rows_of(report[0], "fsdp1"):
-        if r["mode"] not in ("keep", "regather"):
+        if r["mode"] not in ("keep", "probe", "regather"):
             continue
         if fsdp1_backend_present():
             assert r["ok"], r["error"]
@@ -129,6 +130,8 @@ def expected_collectives(mode: Mode, units: int) -> tuple[int, int]:
         return 2 * (units + layers), 2 * units
     if mode.name == "keep":
         return units, units * (1 if mode.sync_grads == "last" else 2)
+    if mode.name == "probe":  # backward 1 reduces nothing
+        return units, units
     # naive (FSDP2 re-gathers by itself) and regather
     return units + layers + units, units * (1 if mode.sync_grads == "last" else 2)
 
@@ -165,12 +168,12 @@ def test_memory_bounds(report):
     for backend in BACKENDS:
         base = row(rep, backend, "two_forward")
         for r in rows_of(rep, backend):
-            if not r["ok"] or r["mode"] not in ("keep", "regather"):
+            if not r["ok"] or r["mode"] not in ("keep", "probe", "regather"):
                 continue
             where = f"{backend} {r['label']}"
             overhead = r["peak_bytes"] - base["peak_bytes"]
             assert r["memory_overhead_bytes"] == overhead, where
-            if r["mode"] == "keep":
+            if r["mode"] in ("keep", "probe"):
                 budget = 1.10 * unsharded * (2 if r["sync_grads"] == "last" else 1)
                 # keep really keeps: every unit's unsharded params are alive at the peak.
                 assert r["breakdown"]["unsharded_params"] >= 0.99 * unsharded, where
@@ -328,3 +331,25 @@ def test_model_config_errors_name_the_fix(tmp_path, fields, message):
 def test_config_errors_name_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ReportConfig(size="tiny", **kwargs)
+
+
+def test_probe_row_times_backward_one_against_the_full_backward(report):
+    """The probe row's backward 1 is compared with keep's (same run, same sync_grads) and
+    projected onto the H200 profile; the ratio itself is a benchmark figure, not asserted."""
+    from fsdp_retain.report._results import H200_PHASES, projected_step_ratio
+
+    rep, out = report
+    for backend in BACKENDS:
+        probe, keep = row(rep, backend, "probe:every"), row(rep, backend, "keep:every")
+        if not (probe["ok"] and keep["ok"]):
+            continue
+        assert probe["backward1_time_s"] > 0 and keep["backward1_time_s"] > 0
+        ratio = probe["backward1_time_s"] / keep["backward1_time_s"]
+        assert probe["probe_backward_ratio"] == pytest.approx(ratio)
+        p = H200_PHASES
+        assert probe["projected_h200_step_ratio"] == pytest.approx(
+            (p["forward1"] + ratio * p["backward1"] + p["backward2"])
+            / (p["forward1"] + p["backward1"] + p["forward2"] + p["backward2"]))
+    # Removing the second forward alone, the figure the probe pass is compared with.
+    assert projected_step_ratio(1.0) == pytest.approx(0.8147, abs=1e-4)
+    assert "## Probe pass" in (out / "report.md").read_text()

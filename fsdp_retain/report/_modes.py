@@ -39,7 +39,8 @@ class ModeSpec:
     mode runs without the library); ``sync_grads``: the ``:<sync_grads>``
     suffixes the mode takes, the first is the default; ``forwards``: forward
     passes per step; ``bound``: the most memory the mode may add over
-    ``two_forward``.
+    ``two_forward``; ``probe``: backward 1 is a probe pass
+    (``block.backward(loss, param_grads=False)``).
     """
 
     name: str
@@ -48,6 +49,7 @@ class ModeSpec:
     sync_grads: tuple[str, ...] = ()
     forwards: int = 1
     bound: Bound | None = None
+    probe: bool = False
 
 
 MODES: dict[str, ModeSpec] = {
@@ -59,12 +61,19 @@ MODES: dict[str, ModeSpec] = {
         ModeSpec("keep", "the library, keep_unsharded=True",
                  block=dict(keep_unsharded=True), sync_grads=("every", "last"),
                  bound=_keep_bound),
+        ModeSpec("probe", "the library, keep_unsharded=True; backward 1 is a probe pass "
+                 "(param_grads=False: hooks only, no parameter gradients)",
+                 block=dict(keep_unsharded=True), sync_grads=("every", "last"),
+                 bound=_keep_bound, probe=True),
         ModeSpec("regather", "the library, keep_unsharded=False",
                  block=dict(keep_unsharded=False), sync_grads=("every", "last"),
                  bound=_regather_bound),
     )
 }
-DEFAULT_MODES = ("two_forward", "naive", "keep:every", "keep:last", "regather:every")
+DEFAULT_MODES = ("two_forward", "naive", "keep:every", "keep:last", "probe:every",
+                 "regather:every")
+# Modes whose timed steps also stamp their phases (backward 1, forward 2).
+MARKED_MODES = ("two_forward", "keep", "probe")
 
 
 def mode_labels() -> list[str]:

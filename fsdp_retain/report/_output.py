@@ -114,6 +114,31 @@ def _time_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _probe_lines(rows: list[dict]) -> list[str]:
+    probes = [r for r in rows if r.get("probe_backward_ratio") is not None]
+    if not probes:
+        return []
+    lines = [
+        "## Probe pass (backward 1 with `param_grads=False`)",
+        "",
+        "| backend | mode | backward 1 (ms) | full backward 1 (ms) | ratio | projected H200 step |",
+        "|---|---|--:|--:|--:|--:|",
+    ]
+    for r in probes:
+        full = r["backward1_time_s"] / r["probe_backward_ratio"]
+        lines.append(
+            f"| {r['backend']} | {_mode_cell(r)} | {_ms(r['backward1_time_s'])} | {_ms(full)} "
+            f"| {r['probe_backward_ratio']:.2f}x | {r['projected_h200_step_ratio']:.2f}x |"
+        )
+    lines += [
+        "",
+        "Full backward 1: the `keep` row with the same sync_grads, timed in the same run. "
+        "Projected step: (F1 + ratio x B1 + B2) / (F1 + B1 + F2 + B2) on one H200's phase "
+        "profile (0.576, 0.880, 0.566, 1.033 s); removing the second forward alone gives 0.81x.",
+    ]
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """A table a user can paste in an issue, with the command and the setup above it."""
     cfg, rows = report["config"], report["rows"]
@@ -122,6 +147,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = _header(cfg, unit, size) + [""] + _memory_table(rows, unit, size)
     if not cfg["simulated"]:
         lines += [""] + _time_table(ok_rows)
+        probe = _probe_lines(ok_rows)
+        if probe:
+            lines += [""] + probe
     no_breakdown = [r for r in ok_rows if r.get("breakdown_error")]
     if no_breakdown:
         lines += ["", "No breakdown (torch's memory tracker failed; the peak stands):", ""]

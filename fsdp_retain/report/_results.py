@@ -49,6 +49,7 @@ def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dic
             "step_time_s": None,
             "timed_steps": 0,
             "forward2_time_s": None,
+            "backward1_time_s": None,
             "all_gathers_per_step": None,
             "reduce_scatters_per_step": None,
             "all_reduces_per_step": None,
@@ -70,8 +71,9 @@ def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dic
             # A step ends when its slowest rank does.
             times = [max(ts) for ts in zip(*(r["times"] for r in results))]
             forward2 = [max(ts) for ts in zip(*(r["forward2_times"] for r in results))]
+            backward1 = [max(ts) for ts in zip(*(r.get("backward1_times", []) for r in results))]
             row.update(step_time_s=_median(times), timed_steps=len(times),
-                       forward2_time_s=_median(forward2))
+                       forward2_time_s=_median(forward2), backward1_time_s=_median(backward1))
             counts = first.get("counts")
             if counts is not None:
                 row.update(
@@ -97,6 +99,34 @@ def memory_bound(row: dict, baseline_peak: int, unsharded_bytes: int) -> tuple[i
     if bound is None:
         return None, ""
     return bound(row["sync_grads"], baseline_peak, unsharded_bytes)
+
+
+# One RL actor step on one H200 (forward, log-prob backward, second forward, loss
+# backward; seconds): what the probe pass's measured ratio is projected onto.
+H200_PHASES = {"forward1": 0.576, "backward1": 0.880, "forward2": 0.566, "backward2": 1.033}
+
+
+def projected_step_ratio(backward1_ratio: float, phases: dict = H200_PHASES) -> float:
+    """(F1 + r*B1 + B2) / (F1 + B1 + F2 + B2): one forward, backward 1 ``r`` times as long."""
+    kept = phases["forward1"] + backward1_ratio * phases["backward1"] + phases["backward2"]
+    return kept / sum(phases.values())
+
+
+def add_probe_comparisons(rows: list[dict]) -> None:
+    """Probe rows: backward 1 against the full backward of the same loss (the ``keep``
+    row of the same backend and sync_grads, timed in the same run), and that ratio
+    projected onto the H200 step profile."""
+    for row in rows:
+        if row["mode"] != "probe":
+            continue
+        row.update(probe_backward_ratio=None, projected_h200_step_ratio=None)
+        full = next((r for r in rows if r["backend"] == row["backend"] and r["mode"] == "keep"
+                     and r["sync_grads"] == row["sync_grads"]
+                     and r["world_size"] == row["world_size"]), None)
+        if full is None or not (row["backward1_time_s"] and full["backward1_time_s"]):
+            continue
+        ratio = row["backward1_time_s"] / full["backward1_time_s"]
+        row.update(probe_backward_ratio=ratio, projected_h200_step_ratio=projected_step_ratio(ratio))
 
 
 def add_comparisons(rows: list[dict], unsharded_bytes: int) -> None:
@@ -171,6 +201,7 @@ def config_dict(cfg: ReportConfig, world: int, meta: dict, device) -> dict[str, 
 
 def finish(cfg: ReportConfig, rows: list[dict], meta: dict, world: int, device) -> dict:
     add_comparisons(rows, meta.get("unsharded_param_bytes") or 0)
+    add_probe_comparisons(rows)
     report = {"config": config_dict(cfg, world, meta, device), "rows": rows}
     paths = write_report(report, Path(cfg.out))
     if not cfg.simulate_world_size:

@@ -16,7 +16,7 @@ from ._config import ReportConfig
 from ._hooks import NO_HOOKS, CountHooks, TimeHooks, TrackerHooks
 from ._memory import make_tracker
 from ._model import build_model, fsdp_units, make_batch, param_bytes, wrap
-from ._modes import Mode
+from ._modes import MARKED_MODES, Mode
 from ._step import train_step
 
 TRACEBACKS_ENV = "FSDP_RETAIN_REPORT_TRACEBACKS"  # set to print each failure's traceback
@@ -55,7 +55,8 @@ class BackendRun:
         self.single_process = single_process
         self.modes = cfg.mode_list()
         self.results: dict[str, dict[str, Any]] = {
-            m.label: {"error": None, "times": [], "forward2_times": []} for m in self.modes
+            m.label: {"error": None, "times": [], "forward2_times": [],
+                           "backward1_times": []} for m in self.modes
         }
         self.model = self.optimizer = None
         self.batch = make_batch(cfg, rank, device)
@@ -162,7 +163,7 @@ class BackendRun:
     def time_modes(self) -> None:
         """Round-robin over the modes so that load changes hit all of them alike."""
         plain = [(m, False) for m in self.ok_modes()]
-        marked = [(m, True) for m, _ in plain if m.name == "two_forward"]
+        marked = [(m, True) for m, _ in plain if m.name in MARKED_MODES]
         entries = plain + marked
         if self.rebuilt:  # modes warmed up before the rebuild need one more step
             self.log("one more untimed step per mode (the model was rebuilt)")
@@ -198,9 +199,11 @@ class BackendRun:
         elapsed = time.perf_counter() - start
         result = self.results[mode.label]
         if with_marks:
-            result["forward2_times"].append(
-                hooks.stamps["forward2_end"] - hooks.stamps["forward2_start"]
-            )
+            for phase in ("forward2", "backward1"):
+                if f"{phase}_start" in hooks.stamps:
+                    result[f"{phase}_times"].append(
+                        hooks.stamps[f"{phase}_end"] - hooks.stamps[f"{phase}_start"]
+                    )
         else:
             result["times"].append(elapsed)
 

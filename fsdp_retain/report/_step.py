@@ -33,7 +33,9 @@ def train_step(model, optimizer, batch, mode: Mode, hooks: StepHooks = NO_HOOKS)
     if mode.spec.forwards == 2:
         with hooks.segment():
             logp = token_logprobs(model, ids)
+            hooks.mark("backward1_start")
             logprob_loss(logp).backward()
+            hooks.mark("backward1_end")
             del logp
         hooks.mark("forward2_start")
         with hooks.segment():
@@ -47,9 +49,14 @@ def train_step(model, optimizer, batch, mode: Mode, hooks: StepHooks = NO_HOOKS)
             if mode.uses_library
             else contextlib.nullcontext()
         )
-        with hooks.segment(), block:
+        with hooks.segment(), block as blk:
             logp = token_logprobs(model, ids)
-            logprob_loss(logp).backward(retain_graph=True)
+            hooks.mark("backward1_start")
+            if mode.spec.probe:
+                blk.backward(logprob_loss(logp), param_grads=False, retain_graph=True)
+            else:
+                logprob_loss(logp).backward(retain_graph=True)
+            hooks.mark("backward1_end")
             policy_loss(logp, advantages).backward()
             del logp
     optimizer.step()
