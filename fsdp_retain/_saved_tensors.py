@@ -1,0 +1,247 @@
+"""``check_saved_tensors=True``: catch a retained graph whose saved tensors changed.
+
+[Note: why a retained graph can silently read changed saved tensors]
+A second backward over a retained graph reads the tensors the forward saved
+for backward again. Torch guards them with version counters, but a kernel
+that writes through a raw pointer bumps no counter: flash-attn's
+``cross_entropy_loss(..., inplace_backward=True)`` writes its gradient into
+the saved logits, so the next pass reads the gradient as logits and computes
+silently wrong gradients. A storage freed or overwritten between passes (as
+FSDP does with unsharded parameters) is the other way to get there.
+
+The check pushes ``torch.autograd.graph.saved_tensors_hooks`` for the block.
+Packing records a fingerprint of each saved tensor (its version, a strided
+sample of at most ``_SAMPLE`` elements and a float64 sum, compared bit for
+bit); every unpack compares again and raises before the node uses the
+tensor. The fingerprint is computed in the tensor's own device, without a
+copy of the tensor; on an accelerator each unpack waits for one small
+comparison (one host sync per saved tensor read).
+
+- Saved-tensor hooks turn off torch's own version-counter check of the
+  tensors they pack, so this module checks the version itself, with torch's
+  wording.
+- Hooks are thread-local and the innermost wins: inside a non-reentrant
+  activation-checkpointed region torch's checkpoint hooks pack the tensors,
+  and this check sees none of them (they are recomputed for each backward).
+- The hooks stay on the graph after the block exits: a later backward over
+  it is still checked.
+- Tensor subclasses other than ``DTensor`` (checked through their local
+  shard), nested and sparse tensors, and unusual dtypes get the version
+  check only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+_SAMPLE = 16  # elements compared bit for bit, spread over every dimension
+
+_BITS = {  # same-size integer dtype for a bitwise comparison
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+_INTEGRAL = (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+)
+_APPLY_CODE = torch.autograd.Function.apply.__func__.__code__
+
+
+def loud(fn):
+    """Errors raised inside autograd may be swallowed or masked: print them first."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            print(f"[rank {rank}] fsdp_retain error:\n{traceback.format_exc()}", flush=True)
+            raise
+
+    return wrapper
+
+
+def _dtensor_type():
+    if not dist.is_available():
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The plain strided tensor whose values we can read locally, or ``None``."""
+    if _DTENSOR is not None and isinstance(tensor, _DTENSOR):
+        tensor = tensor.to_local()
+    if not (type(tensor) is torch.Tensor or isinstance(tensor, torch.nn.Parameter)):
+        return None
+    if tensor.is_nested or tensor.layout != torch.strided or tensor.is_meta:
+        return None
+    return tensor
+
+
+def _freed(tensor: torch.Tensor) -> bool:
+    return tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0
+
+
+def fingerprint(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A small int64 tensor on ``tensor``'s device that changes when its values do.
+
+    ``None`` when the values cannot be read (see the module docstring), are
+    empty, or live in a freed storage.
+    """
+    plain = _plain(tensor)
+    if plain is None or plain.numel() == 0 or _freed(plain):
+        return None
+    dtype = plain.dtype
+    if dtype not in _BITS and dtype not in _INTEGRAL:
+        return None
+    with torch.no_grad():
+        view = plain.detach()
+        if view.dim() == 0:
+            view = view.reshape(1)
+        per_dim = math.ceil(_SAMPLE ** (1 / view.dim()))
+        sample = view[tuple(slice(None, None, max(1, n // per_dim)) for n in view.shape)]
+        sample = sample[tuple(slice(0, per_dim) for _ in view.shape)]
+        if dtype in _BITS:
+            sample = sample.view(_BITS[dtype])
+            total = view.sum(dtype=torch.float64).view(torch.int64)
+        else:
+            total = view.sum(dtype=torch.int64)
+        return torch.cat([sample.reshape(-1).to(torch.int64), total.reshape(1)])
+
+
+def _describe_tensor(tensor: torch.Tensor) -> str:
+    return f"shape {tuple(tensor.shape)}, {tensor.dtype}, {tensor.device}"
+
+
+class _Saved:
+    """What the pack hook keeps: the tensor and what it looked like when saved."""
+
+    __slots__ = ("tensor", "version", "fingerprint", "saved_by", "reads")
+
+    def __init__(self, tensor, version, fingerprint, saved_by) -> None:
+        self.tensor = tensor
+        self.version = version
+        self.fingerprint = fingerprint
+        self.saved_by = saved_by
+        self.reads = 0
+
+
+def _saved_by() -> str | tuple | None:
+    """The node that saves the tensor, as cheaply as the packing frame's caller tells.
+
+    A custom ``autograd.Function`` saves from inside ``Function.apply``: its
+    node is ``<class name>Backward``. A built-in op saves from the Python line
+    that called it; keep that line (formatted only for an error message).
+    """
+    try:
+        frame = sys._getframe(2)  # _saved_by <- _pack <- the op's caller
+    except ValueError:  # packed by an autograd thread with no Python caller
+        return None
+    if frame.f_code is _APPLY_CODE:
+        cls = frame.f_locals.get("cls")
+        if cls is not None:
+            return f"{cls.__name__}Backward"
+    return (frame.f_code, frame.f_lineno)
+
+
+def _node_name(saved_by) -> str:
+    if saved_by is None:
+        return "an autograd node"
+    if isinstance(saved_by, str):
+        return f"autograd node {saved_by}"
+    code, line = saved_by
+    return (
+        f"the built-in autograd node of the op called at {code.co_filename}:{line} "
+        f"(in {code.co_name})"
+    )
+
+
+_LIKELY_CAUSE = (
+    "The likely cause is a backward kernel that writes into its saved input in "
+    "place (flash-attn's cross_entropy_loss(..., inplace_backward=True), as used "
+    "by verl's logprobs_from_logits: pass inplace_backward=False) or a storage "
+    "that was freed or overwritten between backward passes."
+)
+
+
+class SavedTensorCheck:
+    """Pushes the fingerprinting ``saved_tensors_hooks`` (``push``) and pops them (``pop``)."""
+
+    def __init__(self) -> None:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._pushed = False
+
+    def push(self) -> None:
+        self._hooks.__enter__()
+        self._pushed = True
+
+    def pop(self) -> None:
+        """Idempotent; the graph keeps the hooks it already has."""
+        if self._pushed:
+            self._pushed = False
+            self._hooks.__exit__(None, None, None)
+
+    @staticmethod
+    def _pack(tensor: torch.Tensor) -> _Saved:
+        # Outputs arrive with their grad_fn, which saves this very tensor:
+        # keep a detached alias (same storage and version counter) so the
+        # node and the tensor do not keep each other alive.
+        kept = tensor if tensor.grad_fn is None else tensor.detach()
+        return _Saved(kept, tensor._version, fingerprint(tensor), _saved_by())
+
+    @staticmethod
+    @loud
+    def _unpack(saved: _Saved) -> torch.Tensor:
+        saved.reads += 1
+        tensor = saved.tensor
+        if tensor._version != saved.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been "
+                f"modified by an inplace operation: [{_describe_tensor(tensor)}] saved "
+                f"by {_node_name(saved.saved_by)} is at version {tensor._version}; "
+                f"expected version {saved.version} instead. (no_reshard_between_backwards"
+                "(check_saved_tensors=True) packs saved tensors itself, so it performs "
+                "torch's version check for them.)"
+            )
+        if saved.fingerprint is None:
+            return tensor
+        plain = _plain(tensor)
+        if _freed(plain):
+            raise RuntimeError(
+                "no_reshard_between_backwards(check_saved_tensors=True): a tensor saved "
+                f"for backward by {_node_name(saved.saved_by)} ({_describe_tensor(tensor)}) "
+                f"lives in a freed storage (size 0) when it is read for backward the "
+                f"{_ordinal(saved.reads)} time; the node would fail or read garbage. "
+                + _LIKELY_CAUSE
+            )
+        now = fingerprint(plain)
+        if not torch.equal(now, saved.fingerprint):
+            raise RuntimeError(
+                "no_reshard_between_backwards(check_saved_tensors=True): a tensor saved "
+                f"for backward by {_node_name(saved.saved_by)} ({_describe_tensor(tensor)}) "
+                f"changed after the forward saved it, without a version-counter bump; it "
+                f"was caught when read for backward the {_ordinal(saved.reads)} time, "
+                "before the node used it (its gradients would have been silently wrong). "
+                + _LIKELY_CAUSE
+            )
+        return tensor
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
