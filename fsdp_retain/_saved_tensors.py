@@ -10,12 +10,13 @@ silently wrong gradients. A storage freed or overwritten between passes (as
 FSDP does with unsharded parameters) is the other way to get there.
 
 The check pushes ``torch.autograd.graph.saved_tensors_hooks`` for the block.
-Packing records a fingerprint of each saved tensor (its version, a strided
-sample of at most ``_SAMPLE`` elements and a float64 sum, compared bit for
-bit); every unpack compares again and raises before the node uses the
-tensor. The fingerprint is computed in the tensor's own device, without a
-copy of the tensor; on an accelerator each unpack waits for one small
-comparison (one host sync per saved tensor read).
+Packing records each saved tensor's version and a fingerprint (a strided
+sample of ``_SAMPLE`` elements and the sum, compared bit for bit; no copy of
+the tensor). Every unpack checks the version and that the storage is not
+freed; every unpack after the first (a later pass reusing the tensor) also
+recomputes the fingerprint and raises before the node uses the tensor. On an
+accelerator that comparison waits for the device (one host sync per reused
+saved tensor).
 
 - Saved-tensor hooks turn off torch's own version-counter check of the
   tensors they pack, so this module checks the version itself, with torch's
@@ -40,17 +41,20 @@ import traceback
 import torch
 import torch.distributed as dist
 
-_SAMPLE = 16  # elements compared bit for bit, spread over every dimension
+_SAMPLE = 16  # elements compared bit for bit, spread over the tensor
 
-_BITS = {  # same-size integer dtype for a bitwise comparison
-    torch.float64: torch.int64,
-    torch.float32: torch.int32,
-    torch.float16: torch.int16,
-    torch.bfloat16: torch.int16,
+# The sum's accumulation dtype per saved dtype (a float64 sum of float32 is
+# ~60x slower on CPU), and the integer dtype of the same size the fingerprint
+# is compared in, bit for bit (NaN equals itself).
+_ACCUMULATE = {
+    torch.float64: torch.float64,
+    torch.float32: torch.float32,
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    **{t: torch.int64 for t in (torch.bool, torch.uint8, torch.int8, torch.int16,
+                                torch.int32, torch.int64)},
 }
-_INTEGRAL = (
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-)
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.int64: torch.int64}
 _APPLY_CODE = torch.autograd.Function.apply.__func__.__code__
 
 
@@ -98,7 +102,8 @@ def _freed(tensor: torch.Tensor) -> bool:
 
 
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor | None:
-    """A small int64 tensor on ``tensor``'s device that changes when its values do.
+    """A tensor of ``_SAMPLE + 1`` integers, on ``tensor``'s device, that changes when
+    its values do: a strided sample and the sum, as bits.
 
     ``None`` when the values cannot be read (see the module docstring), are
     empty, or live in a freed storage.
@@ -106,22 +111,20 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor | None:
     plain = _plain(tensor)
     if plain is None or plain.numel() == 0 or _freed(plain):
         return None
-    dtype = plain.dtype
-    if dtype not in _BITS and dtype not in _INTEGRAL:
+    accumulate = _ACCUMULATE.get(plain.dtype)
+    if accumulate is None:
         return None
     with torch.no_grad():
         view = plain.detach()
-        if view.dim() == 0:
-            view = view.reshape(1)
-        per_dim = math.ceil(_SAMPLE ** (1 / view.dim()))
-        sample = view[tuple(slice(None, None, max(1, n // per_dim)) for n in view.shape)]
-        sample = sample[tuple(slice(0, per_dim) for _ in view.shape)]
-        if dtype in _BITS:
-            sample = sample.view(_BITS[dtype])
-            total = view.sum(dtype=torch.float64).view(torch.int64)
+        if view.is_contiguous():
+            step = max(1, view.numel() // _SAMPLE)
+            sample = view.view(-1)[: step * _SAMPLE : step]
         else:
-            total = view.sum(dtype=torch.int64)
-        return torch.cat([sample.reshape(-1).to(torch.int64), total.reshape(1)])
+            per_dim = math.ceil(_SAMPLE ** (1 / view.dim()))
+            steps = [max(1, n // per_dim) for n in view.shape]
+            sample = view[tuple(slice(0, per_dim * step, step) for step in steps)].reshape(-1)
+        total = view.sum(dtype=accumulate)
+        return torch.cat([sample.to(accumulate), total.view(1)]).view(_BITS[accumulate])
 
 
 def _describe_tensor(tensor: torch.Tensor) -> str:
@@ -218,9 +221,9 @@ class SavedTensorCheck:
                 "(check_saved_tensors=True) packs saved tensors itself, so it performs "
                 "torch's version check for them.)"
             )
-        if saved.fingerprint is None:
-            return tensor
         plain = _plain(tensor)
+        if plain is None or saved.fingerprint is None:
+            return tensor
         if _freed(plain):
             raise RuntimeError(
                 "no_reshard_between_backwards(check_saved_tensors=True): a tensor saved "
@@ -229,8 +232,9 @@ class SavedTensorCheck:
                 f"{_ordinal(saved.reads)} time; the node would fail or read garbage. "
                 + _LIKELY_CAUSE
             )
-        now = fingerprint(plain)
-        if not torch.equal(now, saved.fingerprint):
+        if saved.reads == 1:
+            return tensor  # the first pass reads what the forward saved
+        if not torch.equal(fingerprint(plain), saved.fingerprint):
             raise RuntimeError(
                 "no_reshard_between_backwards(check_saved_tensors=True): a tensor saved "
                 f"for backward by {_node_name(saved.saved_by)} ({_describe_tensor(tensor)}) "
