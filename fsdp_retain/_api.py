@@ -111,7 +111,8 @@ def no_reshard_between_backwards(
             storage) instead of computing silently wrong gradients. Tensors
             saved inside a non-reentrant activation-checkpointed region are
             not seen (they are recomputed per pass). Costs a strided sample and
-            a sum per saved tensor and read; see the README.
+            a sum of each saved tensor when it is saved and when a later pass
+            reuses it; see the README.
 
     On an exception inside the block nothing is communicated: parameters are
     resharded locally and gradients that were not yet reduced are dropped.
