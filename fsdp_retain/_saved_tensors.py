@@ -55,7 +55,6 @@ _ACCUMULATE = {
                                 torch.int32, torch.int64)},
 }
 _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.int64: torch.int64}
-_APPLY_CODE = torch.autograd.Function.apply.__func__.__code__
 
 
 def loud(fn):
@@ -134,7 +133,7 @@ def _describe_tensor(tensor: torch.Tensor) -> str:
 class _Saved:
     """What the pack hook keeps: the tensor and what it looked like when saved."""
 
-    __slots__ = ("tensor", "version", "fingerprint", "saved_by", "reads")
+    __slots__ = ("tensor", "version", "fingerprint", "saved_by", "reads")  # saved_by: see _saved_by
 
     def __init__(self, tensor, version, fingerprint, saved_by) -> None:
         self.tensor = tensor
@@ -144,32 +143,44 @@ class _Saved:
         self.reads = 0
 
 
-def _saved_by() -> str | tuple | None:
-    """The node that saves the tensor, as cheaply as the packing frame's caller tells.
-
-    A custom ``autograd.Function`` saves from inside ``Function.apply``: its
-    node is ``<class name>Backward``. A built-in op saves from the Python line
-    that called it; keep that line (formatted only for an error message).
-    """
+def _caller(depth: int):
+    """The first frame, ``depth`` or more frames up, whose code is not this module's."""
     try:
-        frame = sys._getframe(2)  # _saved_by <- _pack <- the op's caller
-    except ValueError:  # packed by an autograd thread with no Python caller
+        frame = sys._getframe(depth + 1)
+    except ValueError:  # called from an autograd thread with no Python caller
         return None
-    if frame.f_code is _APPLY_CODE:
-        cls = frame.f_locals.get("cls")
-        if cls is not None:
-            return f"{cls.__name__}Backward"
-    return (frame.f_code, frame.f_lineno)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return frame
 
 
-def _node_name(saved_by) -> str:
-    if saved_by is None:
+def _saved_by() -> tuple | None:
+    """Where the tensor was saved: the Python line that ran the op (cheap; formatted
+    only for an error message)."""
+    frame = _caller(2)
+    return None if frame is None else (frame.f_code, frame.f_lineno)
+
+
+def _reading_node() -> str | None:
+    """The custom ``autograd.Function`` node reading its saved tensors, if that is who
+    unpacks: its Python ``backward(ctx, ...)`` reads ``ctx.saved_tensors``, and ``ctx``
+    is the node (``<class name>Backward``). Built-in nodes unpack from C++."""
+    frame = _caller(1)
+    ctx = None if frame is None else frame.f_locals.get("ctx")
+    if ctx is not None and hasattr(ctx, "next_functions") and callable(getattr(ctx, "name", None)):
+        return ctx.name()
+    return None
+
+
+def _node_name(saved: _Saved) -> str:
+    reader = _reading_node()
+    if reader is not None:
+        return f"autograd node {reader}"
+    if saved.saved_by is None:
         return "an autograd node"
-    if isinstance(saved_by, str):
-        return f"autograd node {saved_by}"
-    code, line = saved_by
+    code, line = saved.saved_by
     return (
-        f"the built-in autograd node of the op called at {code.co_filename}:{line} "
+        f"the autograd node of the op called at {code.co_filename}:{line} "
         f"(in {code.co_name})"
     )
 
@@ -216,7 +227,7 @@ class SavedTensorCheck:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been "
                 f"modified by an inplace operation: [{_describe_tensor(tensor)}] saved "
-                f"by {_node_name(saved.saved_by)} is at version {tensor._version}; "
+                f"by {_node_name(saved)} is at version {tensor._version}; "
                 f"expected version {saved.version} instead. (no_reshard_between_backwards"
                 "(check_saved_tensors=True) packs saved tensors itself, so it performs "
                 "torch's version check for them.)"
@@ -227,7 +238,7 @@ class SavedTensorCheck:
         if _freed(plain):
             raise RuntimeError(
                 "no_reshard_between_backwards(check_saved_tensors=True): a tensor saved "
-                f"for backward by {_node_name(saved.saved_by)} ({_describe_tensor(tensor)}) "
+                f"for backward by {_node_name(saved)} ({_describe_tensor(tensor)}) "
                 f"lives in a freed storage (size 0) when it is read for backward the "
                 f"{_ordinal(saved.reads)} time; the node would fail or read garbage. "
                 + _LIKELY_CAUSE
@@ -237,7 +248,7 @@ class SavedTensorCheck:
         if not torch.equal(fingerprint(plain), saved.fingerprint):
             raise RuntimeError(
                 "no_reshard_between_backwards(check_saved_tensors=True): a tensor saved "
-                f"for backward by {_node_name(saved.saved_by)} ({_describe_tensor(tensor)}) "
+                f"for backward by {_node_name(saved)} ({_describe_tensor(tensor)}) "
                 f"changed after the forward saved it, without a version-counter bump; it "
                 f"was caught when read for backward the {_ordinal(saved.reads)} time, "
                 "before the node used it (its gradients would have been silently wrong). "
