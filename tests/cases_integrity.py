@@ -20,30 +20,24 @@ on; they must match the reference to 1e-5 as without it.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
-from torch.utils.checkpoint import checkpoint
 
 from fsdp_retain import no_reshard_between_backwards
 from fsdp_retain._saved_tensors import fingerprint
 from tests import fsdp1_utils as f1
 from tests import fsdp2_utils as f2
+from tests.cases_compose import CheckpointedNet
+from tests.cases_fsdp1_compose import _checkpointed as checkpointed_fsdp1
 from tests.harness import Registry
 from tests.parity import (
     BATCH,
     DIM,
     OPTION_GRID,
-    Block,
     Scenario,
     assert_close_dicts,
     averaged_grads,
@@ -106,34 +100,12 @@ def _reader(backend: str):
     return f2.full_grads if backend == "fsdp2" else f1.full_grads
 
 
-class _CheckpointedNet(nn.Module):
-    """``Net`` with non-reentrant activation checkpointing around each block (FSDP2)."""
-
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.inp, self.blocks, self.out = net.inp, net.blocks, net.out
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = checkpoint(block, h, use_reentrant=False)
-        return self.out(h)
-
-
 def _wrap(backend: str, ckpt: bool, **kwargs) -> nn.Module:
     net = make_net()
     if backend == "fsdp2":
-        return f2.wrap(_CheckpointedNet(net) if ckpt else net, **kwargs)
+        return f2.wrap(CheckpointedNet(net) if ckpt else net, **kwargs)
     model = f1.wrap(net, **kwargs)
-    if ckpt:
-        apply_activation_checkpointing(
-            model,
-            checkpoint_wrapper_fn=functools.partial(
-                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
-            ),
-            check_fn=lambda m: isinstance(m, Block),
-        )
-    return model
+    return checkpointed_fsdp1(model) if ckpt else model
 
 
 def _reference_grads(step: int):
