@@ -89,8 +89,8 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor | None:
     """The plain strided tensor whose values we can read locally, or ``None``."""
     if _DTENSOR is not None and isinstance(tensor, _DTENSOR):
         tensor = tensor.to_local()
-    if not (type(tensor) is torch.Tensor or isinstance(tensor, torch.nn.Parameter)):
-        return None
+    if type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        return None  # a wrapper subclass: its storage is not its values
     if tensor.is_nested or tensor.layout != torch.strided or tensor.is_meta:
         return None
     return tensor
