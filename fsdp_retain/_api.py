@@ -75,6 +75,7 @@ def no_reshard_between_backwards(
     keep_unsharded: bool = True,
     sync_grads: str = "every",
     backwards: int | None = None,
+    check_saved_tensors: bool = False,
 ) -> Iterator[object]:
     """Run one forward and several backward passes over its retained graph under FSDP.
 
@@ -101,6 +102,17 @@ def no_reshard_between_backwards(
         backwards: the number of backward passes, if known. The last pass then
             reshards each unit as soon as its gradients are done (lower peak).
             With ``None`` everything is resharded when the block exits.
+        check_saved_tensors: ``True`` fingerprints every tensor the graph
+            saves for backward inside the block and raises a ``RuntimeError``
+            naming the autograd node and the tensor's shape when a backward
+            pass reads one whose values changed (a backward kernel that writes
+            into its saved input, such as flash-attn's
+            ``cross_entropy_loss(..., inplace_backward=True)``, or a freed
+            storage) instead of computing silently wrong gradients. Tensors
+            saved inside a non-reentrant activation-checkpointed region are
+            not seen (they are recomputed per pass). Costs a strided sample and
+            a sum of each saved tensor when it is saved and when a later pass
+            reuses it; see the README.
 
     On an exception inside the block nothing is communicated: parameters are
     resharded locally and gradients that were not yet reduced are dropped.
@@ -129,7 +141,10 @@ def no_reshard_between_backwards(
             policy_loss(out).backward()
     """
     options = RetainOptions(
-        keep_unsharded=keep_unsharded, sync_grads=sync_grads, backwards=backwards
+        keep_unsharded=keep_unsharded,
+        sync_grads=sync_grads,
+        backwards=backwards,
+        check_saved_tensors=check_saved_tensors,
     )
     block = _make_block(model, options)
     block.enter()

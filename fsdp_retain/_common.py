@@ -62,6 +62,8 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence
 
+from ._saved_tensors import SavedTensorCheck
+
 _SYNC_GRADS = ("every", "last")
 
 # Attribute set on the root module while a block is active on it.
@@ -75,6 +77,7 @@ class RetainOptions:
     keep_unsharded: bool = True
     sync_grads: str = "every"
     backwards: int | None = None
+    check_saved_tensors: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep_unsharded, bool):
@@ -98,6 +101,12 @@ class RetainOptions:
                 f"backwards must be a positive int or None, got {self.backwards!r}: "
                 "pass the number of backward passes you will run inside the block, "
                 "or None if it is not known in advance"
+            )
+        if not isinstance(self.check_saved_tensors, bool):
+            raise TypeError(
+                f"check_saved_tensors must be a bool, got {self.check_saved_tensors!r}: "
+                "pass True to check that tensors saved for backward are unchanged when "
+                "a later pass reads them, or False (the default) to skip the check"
             )
 
 
@@ -163,6 +172,7 @@ class BlockBase:
     """
 
     model: nn.Module
+    options: RetainOptions
     tracker: PassTracker
     # (id(node), output_nr) -> GradientEdge of each FSDP unit input seen in forward.
     _unit_inputs: dict[tuple[int, int], Any]
@@ -170,6 +180,7 @@ class BlockBase:
     _deferred_hook = None
     probing: bool = False
     _exited: bool = False
+    _saved_check: SavedTensorCheck | None = None
 
     @property
     def backward_passes(self) -> int:
@@ -266,6 +277,9 @@ class BlockBase:
         raise NotImplementedError
 
     def enter(self) -> None:
+        if self.options.check_saved_tensors:
+            self._saved_check = SavedTensorCheck()
+            self._saved_check.push()
         setattr(self.model, ACTIVE_ATTR, True)
         try:
             if self._root_decided():
@@ -276,7 +290,10 @@ class BlockBase:
                     self._install_at_first_forward, prepend=True
                 )
         except BaseException:
-            self._uninstall()
+            try:
+                self._uninstall()
+            finally:
+                self._pop_saved_check()
             raise
 
     def exit(self, exc: BaseException | None) -> None:
@@ -290,7 +307,16 @@ class BlockBase:
             else:
                 self._abort()
         finally:
-            self._uninstall()
+            try:
+                self._uninstall()
+            finally:
+                self._pop_saved_check()
+
+    def _pop_saved_check(self) -> None:
+        # The graph keeps the hooks it already has; see
+        # [Note: why a retained graph can silently read changed saved tensors].
+        if self._saved_check is not None:
+            self._saved_check.pop()
 
     def _take_deferred_hook(self) -> None:
         self._deferred_hook.remove()
