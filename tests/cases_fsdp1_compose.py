@@ -22,10 +22,12 @@ import contextlib
 import functools
 import gc
 import itertools
+import time
 import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -596,6 +598,23 @@ def _new_tensor_bytes(old: dict[int, weakref.ref]) -> int:
     return _storage_bytes(new)
 
 
+def _settled_extra_bytes(old: dict[int, weakref.ref], model: nn.Module, opt) -> int:
+    """``_new_tensor_bytes`` beyond ``_kept_bytes``, read until it is 0 (bounded).
+
+    gloo's worker thread drops its reference to a collective's buffer a little
+    after the collective completes (seen on a loaded box: +2648 bytes at one
+    step, gone on the next); a leak does not settle back, so it still fails.
+    """
+    dist.barrier()  # once: every rank calls the same collectives
+    for _ in range(40):
+        gc.collect()
+        extra = _new_tensor_bytes(old) - _kept_bytes(model, opt)
+        if extra == 0:
+            return 0
+        time.sleep(0.05)
+    return extra
+
+
 def _kept_bytes(model: nn.Module, opt) -> int:
     """What a step may leave behind: the flat parameters' local shards, the
     optimizer state (momentum) and, with use_orig_params=True, the sharded flat
@@ -668,10 +687,11 @@ def _fifty_steps_case(uop, mixed_precision, mem_tracker):
                 alive = [i for i, ref in enumerate(blocks) if ref() is not None]
                 assert not alive, f"step {step}: blocks of steps {alive} still alive"
                 states.add(repr(fsdp1_snapshot(model)))
+                # Settled first, so that MemTracker reads after gloo let go too.
+                live.add(_settled_extra_bytes(old, model, opt))
                 if tracker is not None:
                     gc.collect()  # MemTracker keeps tensors in reference cycles
                     tracked.append(_current_bytes(tracker))
-                live.add(_new_tensor_bytes(old) - _kept_bytes(model, opt))
         assert len(states) == 1, "FSDP1 state or hook counts changed between steps"
         assert live == {0}, sorted(live)
         if tracker is not None:

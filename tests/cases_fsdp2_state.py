@@ -192,8 +192,8 @@ def _settled(tracker: MemTracker, bound: float, tries: int = 40) -> int:
     gloo drops its references to collective buffers on its own thread, a little
     after the collective completes, so the count is read until it settles.
     """
+    dist.barrier()  # once, so every rank calls the same collectives
     for _ in range(tries):
-        dist.barrier()
         current = _current(tracker)
         if current <= bound:
             return current
@@ -204,8 +204,8 @@ def _settled(tracker: MemTracker, bound: float, tries: int = 40) -> int:
 def _stable(tracker: MemTracker, tries: int = 40) -> int:
     """Current bytes once two reads 50 ms apart agree (see ``_settled``)."""
     last = None
+    dist.barrier()  # once, so every rank calls the same collectives
     for _ in range(tries):
-        dist.barrier()
         current = _current(tracker)
         if current == last:
             return current

@@ -1,7 +1,7 @@
 """The memory report (scripts/memory_report.py) on a tiny Qwen2, CPU/gloo, world size 2.
 
-One launch runs both backends (fsdp2, fsdp1) and the six default modes
-(two_forward, naive, keep:every, keep:last, probe:every, regather:every) with 1 warm-up and
+One launch runs both backends (fsdp2, fsdp1) and the seven default modes (two_forward,
+naive, keep:every, keep:last, probe:every, check:every, regather:every) with 1 warm-up and
 3 timed steps; the tests read the returned report and the files it wrote.
 A second run of the script (a subprocess) simulates the same 2 ranks with a
 fake process group and is compared with the real run; a third simulates the
@@ -109,7 +109,7 @@ def test_fsdp1_naive_records_the_crash(report):
 
 def test_fsdp1_library_rows_ok_or_clear_error(report):
     for r in rows_of(report[0], "fsdp1"):
-        if r["mode"] not in ("keep", "probe", "regather"):
+        if r["mode"] not in ("keep", "probe", "check", "regather"):
             continue
         if fsdp1_backend_present():
             assert r["ok"], r["error"]
@@ -128,7 +128,7 @@ def expected_collectives(mode: Mode, units: int) -> tuple[int, int]:
     layers = units - 1
     if mode.name == "two_forward":
         return 2 * (units + layers), 2 * units
-    if mode.name == "keep":
+    if mode.name in ("keep", "check"):
         return units, units * (1 if mode.sync_grads == "last" else 2)
     if mode.name == "probe":  # backward 1 reduces nothing
         return units, units
@@ -168,12 +168,12 @@ def test_memory_bounds(report):
     for backend in BACKENDS:
         base = row(rep, backend, "two_forward")
         for r in rows_of(rep, backend):
-            if not r["ok"] or r["mode"] not in ("keep", "probe", "regather"):
+            if not r["ok"] or r["mode"] not in ("keep", "probe", "check", "regather"):
                 continue
             where = f"{backend} {r['label']}"
             overhead = r["peak_bytes"] - base["peak_bytes"]
             assert r["memory_overhead_bytes"] == overhead, where
-            if r["mode"] in ("keep", "probe"):
+            if r["mode"] in ("keep", "probe", "check"):
                 budget = 1.10 * unsharded * (2 if r["sync_grads"] == "last" else 1)
                 # keep really keeps: every unit's unsharded params are alive at the peak.
                 assert r["breakdown"]["unsharded_params"] >= 0.99 * unsharded, where
@@ -353,3 +353,17 @@ def test_probe_row_times_backward_one_against_the_full_backward(report):
     # Removing the second forward alone, the figure the probe pass is compared with.
     assert projected_step_ratio(1.0) == pytest.approx(0.8147, abs=1e-4)
     assert "## Probe pass" in (out / "report.md").read_text()
+
+
+def test_check_row_cost_against_keep(report):
+    """check:every is keep:every plus check_saved_tensors=True: its step-time ratio to keep
+    (same run) is reported; the check finds nothing on the report's model."""
+    rep, out = report
+    for backend in BACKENDS:
+        check, keep = row(rep, backend, "check:every"), row(rep, backend, "keep:every")
+        if backend == "fsdp2" or fsdp1_backend_present():
+            assert check["ok"], check["error"]
+        if check["ok"] and keep["ok"]:
+            assert check["check_cost_ratio"] == pytest.approx(
+                check["step_time_s"] / keep["step_time_s"])
+    assert "check_saved_tensors=True" in (out / "report.md").read_text()

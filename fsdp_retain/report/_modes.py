@@ -65,13 +65,16 @@ MODES: dict[str, ModeSpec] = {
                  "(param_grads=False: hooks only, no parameter gradients)",
                  block=dict(keep_unsharded=True), sync_grads=("every", "last"),
                  bound=_keep_bound, probe=True),
+        ModeSpec("check", "the library, keep_unsharded=True, check_saved_tensors=True",
+                 block=dict(keep_unsharded=True, check_saved_tensors=True),
+                 sync_grads=("every", "last"), bound=_keep_bound),
         ModeSpec("regather", "the library, keep_unsharded=False",
                  block=dict(keep_unsharded=False), sync_grads=("every", "last"),
                  bound=_regather_bound),
     )
 }
 DEFAULT_MODES = ("two_forward", "naive", "keep:every", "keep:last", "probe:every",
-                 "regather:every")
+                 "check:every", "regather:every")
 # Modes whose timed steps also stamp their phases (backward 1, forward 2).
 MARKED_MODES = ("two_forward", "keep", "probe")
 

@@ -139,6 +139,15 @@ def _probe_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _check_lines(rows: list[dict]) -> list[str]:
+    checks = [r for r in rows if r.get("check_cost_ratio") is not None]
+    if not checks:
+        return []
+    return ["Cost of `check_saved_tensors=True` (step time against the `keep` row with the "
+            "same sync_grads, same run): "
+            + ", ".join(f"{r['backend']} {r['check_cost_ratio']:.2f}x" for r in checks) + "."]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """A table a user can paste in an issue, with the command and the setup above it."""
     cfg, rows = report["config"], report["rows"]
@@ -147,9 +156,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = _header(cfg, unit, size) + [""] + _memory_table(rows, unit, size)
     if not cfg["simulated"]:
         lines += [""] + _time_table(ok_rows)
-        probe = _probe_lines(ok_rows)
-        if probe:
-            lines += [""] + probe
+        for extra in (_probe_lines(ok_rows), _check_lines(ok_rows)):
+            if extra:
+                lines += [""] + extra
     no_breakdown = [r for r in ok_rows if r.get("breakdown_error")]
     if no_breakdown:
         lines += ["", "No breakdown (torch's memory tracker failed; the peak stands):", ""]

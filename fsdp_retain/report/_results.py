@@ -129,6 +129,20 @@ def add_probe_comparisons(rows: list[dict]) -> None:
         row.update(probe_backward_ratio=ratio, projected_h200_step_ratio=projected_step_ratio(ratio))
 
 
+def add_check_comparisons(rows: list[dict]) -> None:
+    """Check rows: step time against the ``keep`` row of the same backend and
+    sync_grads (the same options without ``check_saved_tensors``), same run."""
+    for row in rows:
+        if row["mode"] != "check":
+            continue
+        row["check_cost_ratio"] = None
+        keep = next((r for r in rows if r["backend"] == row["backend"] and r["mode"] == "keep"
+                     and r["sync_grads"] == row["sync_grads"]
+                     and r["world_size"] == row["world_size"]), None)
+        if keep is not None and row["step_time_s"] and keep["step_time_s"]:
+            row["check_cost_ratio"] = row["step_time_s"] / keep["step_time_s"]
+
+
 def add_comparisons(rows: list[dict], unsharded_bytes: int) -> None:
     """Fills savings and overheads against the ``two_forward`` row of each backend."""
     for row in rows:
@@ -202,6 +216,7 @@ def config_dict(cfg: ReportConfig, world: int, meta: dict, device) -> dict[str, 
 def finish(cfg: ReportConfig, rows: list[dict], meta: dict, world: int, device) -> dict:
     add_comparisons(rows, meta.get("unsharded_param_bytes") or 0)
     add_probe_comparisons(rows)
+    add_check_comparisons(rows)
     report = {"config": config_dict(cfg, world, meta, device), "rows": rows}
     paths = write_report(report, Path(cfg.out))
     if not cfg.simulate_world_size:
