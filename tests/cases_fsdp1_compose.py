@@ -586,19 +586,16 @@ def _live_tensors() -> list[torch.Tensor]:
     return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
 
 
-def _new_tensor_bytes(old: dict[int, weakref.ref]) -> int:
+def _new_tensor_bytes(old: dict[int, torch.Tensor]) -> int:
     """Exact bytes of the storages of the tensors the interpreter can reach,
-    except those in ``old`` (alive before the case; earlier cases' leftovers
-    may die at any time)."""
-    new = []
-    for t in _live_tensors():
-        ref = old.get(id(t))
-        if ref is None or ref() is not t:
-            new.append(t)
-    return _storage_bytes(new)
+    except those in ``old`` (alive before the case). ``old`` holds them
+    strongly: on torch 2.9 a weak reference to a tensor whose Python object
+    torch keeps alive from C++ reads as dead (its "_fix_weakref" warning), so
+    an earlier case's leftover would count as new."""
+    return _storage_bytes([t for t in _live_tensors() if old.get(id(t)) is not t])
 
 
-def _settled_extra_bytes(old: dict[int, weakref.ref], model: nn.Module, opt) -> int:
+def _settled_extra_bytes(old: dict[int, torch.Tensor], model: nn.Module, opt) -> int:
     """``_new_tensor_bytes`` beyond ``_kept_bytes``, read until it is 0 (bounded).
 
     gloo's worker thread drops its reference to a collective's buffer a little
@@ -642,7 +639,8 @@ def _fifty_steps_case(uop, mixed_precision, mem_tracker):
       are the same after every step;
     - the bytes of all live tensors created since the case started are exactly
       the flat parameters' local shards and the momentum buffers
-      (``_kept_bytes``), after every step.
+      (``_kept_bytes``), after every step, read once gloo let go of its
+      buffers; torch 2.9 adds one constant byte (less than any model tensor).
 
     With ``mem_tracker`` also MemTracker (``reset_mod_stats()`` each step, read
     after ``gc.collect()``, as MemTracker keeps tensors in reference cycles): its
@@ -659,7 +657,7 @@ def _fifty_steps_case(uop, mixed_precision, mem_tracker):
     """
 
     def run() -> None:
-        old = {id(t): weakref.ref(t) for t in _live_tensors()}
+        old = {id(t): t for t in _live_tensors()}
         kwargs = dict(mixed_precision=BF16_MP) if mixed_precision else {}
         model = f1.wrap(make_net(), use_orig_params=uop, **kwargs)
         opt = sgd(model)
@@ -693,7 +691,9 @@ def _fifty_steps_case(uop, mixed_precision, mem_tracker):
                     gc.collect()  # MemTracker keeps tensors in reference cycles
                     tracked.append(_current_bytes(tracker))
         assert len(states) == 1, "FSDP1 state or hook counts changed between steps"
-        assert live == {0}, sorted(live)
+        # Exact up to one byte torch 2.9 holds during the case (a 1-element uint8
+        # tensor, the same at every step); the smallest model tensor has 48 bytes.
+        assert len(live) == 1 and 0 <= min(live) < 16, sorted(live)
         if tracker is not None:
             first, last = tracked[: len(tracked) // 2], tracked[len(tracked) // 2 :]
             assert min(last) <= min(first) and max(last) <= max(first), tracked
