@@ -1,7 +1,7 @@
 """What the FSDP1 and FSDP2 backends share: options, pass bookkeeping, errors.
 
-Nothing here touches private torch internals; that lives in ``_fsdp1.py`` and
-``_fsdp2.py`` only.
+Nothing here touches private torch internals; that lives in the backends
+(``_fsdp1*.py``, ``_fsdp2.py``) and, for autograd's engine entry, ``_pass_start.py``.
 
 [Note: why a retained graph needs unsharded storage]
 FSDP keeps each parameter sharded and all-gathers the full (unsharded) tensor
@@ -20,6 +20,12 @@ assumes each graph is walked exactly once:
   pre-backward hook re-gathers on every pass, so a retained graph works at the
   price of one all-gather per unit per extra backward, plus a reduce-scatter
   per unit per backward.
+
+Both learn that a backward starts, and re-gather a unit, from hooks on unit
+outputs. A pass that starts inside a unit, or reaches a unit's parameters
+before its outputs (the graph of a ``create_graph=True`` gradient), meets
+freed storage, and under FSDP1 also unprepared gradients and a root that does
+not know a backward is running.
 
 ``no_reshard_between_backwards`` keeps that storage alive between passes
 (``keep_unsharded=True``) or makes sure it is re-gathered before each pass

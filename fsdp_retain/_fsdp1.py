@@ -1,4 +1,6 @@
-"""FSDP1 (``FullyShardedDataParallel``) backend. All private FSDP1 access lives here.
+"""FSDP1 (``FullyShardedDataParallel``) backend. All private FSDP1 access lives here,
+in ``_fsdp1_grads.py`` (what the block does to the gradients FSDP1 holds) and in
+``_fsdp1_inspect.py`` (readers for tests and the report).
 
 See [Note: why a retained graph needs unsharded storage] in ``_common.py``.
 
@@ -31,9 +33,21 @@ What the block does to FSDP1, per ``FlatParamHandle`` (one per unit):
   and what FSDP's pre-backward moved aside (a reduced ``.grad`` into
   ``_saved_grad_shard``) is put back when the pass ends.
 
-Pass boundaries: a gradient hook on the root's forward outputs, registered
-after FSDP's own pre-backward hook, starts a pass and queues a callback that
-the autograd engine runs after FSDP's root final callback.
+Pass boundaries: ``_pass_start`` runs ``on_backward_start`` before the first
+node of every backward. If the pass reaches this model, the block queues
+FSDP's root final callback (unless FSDP's root pre-backward hook already did)
+and then its own, which the engine runs after FSDP's. A pass may start from
+any tensor of the forward, so FSDP's pre-backward hooks on unit outputs may
+run late (a ``create_graph=True`` gradient graph reaches parameters first) or
+never (an activation inside a unit). The block therefore does a unit's
+pre-backward work itself at the pass start (``_pre_backward``): with
+``keep_unsharded=True`` for every unit whose gradients the pass accumulates;
+with ``False`` for units the pass uses but whose outputs it never reaches
+(all-gathering them then). Units whose pre-backward ran but that accumulate
+nothing in the pass (``autograd.grad``, probe passes) get back the gradients
+FSDP's pre-backward moved aside, which its final callback would drop. With
+``backwards=N`` and ``sync_grads="last"``, units the last pass does not reach
+are reduced at the block exit.
 
 Graphs outlive the block: every unit's forward outputs also get a guard hook,
 registered before FSDP's pre-backward hook, that stays on the graph and
@@ -50,7 +64,6 @@ once per pass, after the last of them that the pass executes
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import traceback
 import types
@@ -61,28 +74,30 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import _pass_start
 from ._common import (
     BlockBase,
-    ACTIVE_ATTR,
     PassTracker,
     RetainOptions,
     create_graph_needs_keep,
     grad_tensors,
     missing_internal,
     require_attr,
-    warn_once,
 )
+from ._fsdp1_grads import GradBookkeeping
+from ._fsdp1_inspect import HOOK_STATE as _HOOK_STATE
 
 _FLAVOUR = "FSDP1"
-# Where FSDP1 keeps a flat parameter's (AccumulateGrad, hook handle).
-_HOOK_STATE = "_post_backward_hook_state"
 # Names of torch.distributed.fsdp internals the block calls.
 _RUNTIME_FUNCTIONS = (
     "_lazy_init",
     "_post_backward_hook",
     "_post_backward_final_callback",
     "_post_backward_reshard",
+    "_register_post_backward_final_callback",
+    "_reset_flat_param_grad_info_if_needed",
     "_reshard",
+    "_unshard",
 )
 
 
@@ -105,104 +120,6 @@ def _internals() -> types.SimpleNamespace:
         HandleTrainingState=HandleTrainingState,
         **{name.lstrip("_"): fn for name, fn in found.items()},
     )
-
-
-def fsdp1_handles(model: nn.Module) -> list[Any]:
-    """The ``FlatParamHandle`` of every FSDP1 unit under ``model`` that has parameters."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    handles = []
-    for module in FullyShardedDataParallel.fsdp_modules(model):
-        handle = require_attr(module, "_handle", _FLAVOUR)
-        if handle is not None:
-            handles.append(handle)
-    return handles
-
-
-def unsharded_storage_bytes(model: nn.Module) -> int:
-    """Bytes held by the unsharded flat parameters of ``model`` (0 when all are freed)."""
-    total = 0
-    for handle in fsdp1_handles(model):
-        if handle.uses_sharded_strategy:
-            padded = require_attr(handle.flat_param, "_full_param_padded", _FLAVOUR)
-            total += padded.untyped_storage().nbytes()
-    return total
-
-
-_STORAGES = ("_full_param_padded", "_mp_shard", "_full_prec_full_param_padded")
-
-
-def fsdp1_snapshot(model: nn.Module) -> dict[str, Any]:
-    """FSDP1 state the block may touch, for tests: flags, hooks, storage, gradients.
-
-    Two snapshots taken between steps (outside any forward and backward) are
-    equal when the block left nothing behind. Gradients appear only as "none
-    or reduced", so a pass that was reduced before an exception does not count.
-    """
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.modules import module as module_globals
-
-    snap: dict[str, Any] = {
-        "global_hooks": tuple(
-            len(getattr(module_globals, name, ()))
-            for name in (
-                "_global_forward_pre_hooks",
-                "_global_forward_hooks",
-                "_global_backward_hooks",
-                "_global_backward_pre_hooks",
-            )
-        ),
-        "active": ACTIVE_ATTR in model.__dict__,
-    }
-    for name, module in model.named_modules():
-        snap[f"{name}:hooks"] = (
-            len(module._forward_pre_hooks),
-            len(module._forward_hooks),
-            len(module._backward_pre_hooks),
-            len(module._backward_hooks),
-        )
-        if not isinstance(module, FullyShardedDataParallel):
-            continue
-        snap[f"{name}:state"] = (
-            str(module.training_state),
-            module._sync_gradients,
-            module._is_root,
-            getattr(module, "_post_backward_callback_queued", None),
-            ACTIVE_ATTR in module.__dict__,
-        )
-        if module._is_root:
-            order = module._exec_order_data
-            snap[f"{name}:exec_order"] = len(order.handles_post_forward_order)
-        handle = module._handle
-        if handle is None:
-            continue
-        flat_param = handle.flat_param
-        grad = flat_param.grad
-        tensors = flat_param._tensors if handle._use_orig_params else None
-        snap[f"{name}:handle"] = (
-            str(handle._training_state),
-            handle._needs_pre_backward_unshard,
-            handle._ran_pre_backward_hook,
-            handle._prefetched,
-            handle._post_forward_index,
-            tuple(sorted(k for k in ("reshard", "pre_unshard") if k in handle.__dict__)),
-        )
-        snap[f"{name}:flat_param"] = (
-            tuple(flat_param.shape),
-            flat_param.dtype,
-            hasattr(flat_param, _HOOK_STATE),
-            hasattr(flat_param, "_saved_grad_shard"),
-            len(flat_param._backward_hooks or {}),
-            len(getattr(flat_param, "_post_accumulate_grad_hooks", None) or {}),
-            grad is None or grad.shape == flat_param.shape,
-            None if tensors is None else tuple(t is None for t in tensors),
-            tuple(
-                getattr(flat_param, attr).untyped_storage().nbytes()
-                for attr in _STORAGES
-                if hasattr(flat_param, attr)
-            ),
-        )
-    return snap
 
 
 def _queue_callback(fn) -> None:
@@ -238,36 +155,12 @@ def _loud(fn):
     return wrapper
 
 
-@dataclasses.dataclass
-class _Sentinel:
-    """The ``.grad`` tensors a unit showed at the end of a pass (see ``_record_sentinels``)."""
-
-    flat_grad: torch.Tensor | None
-    version: int
-    param_grads: tuple[torch.Tensor | None, ...]
-    param_versions: tuple[int, ...]
-
-    def changed_in_place(self) -> bool:
-        # FSDP's unsharded gradient views (``no_sync``) do not share the flat
-        # gradient's version counter, so look at both.
-        return _version(self.flat_grad) != self.version or any(
-            _version(g) != v for g, v in zip(self.param_grads, self.param_versions)
-        )
-
-
-_MISSING = object()
-
-
 @_loud
 def _unit_input_grad(block_ref: Any, state: Any, grad: torch.Tensor) -> None:
     # A weak reference: the hook stays on the graph, the block must not.
     block = block_ref()
     if block is not None and block.probing:
         block._probe_unit_done(state)
-
-
-def _version(t: torch.Tensor | None) -> int:
-    return -1 if t is None else t._version
 
 
 class _Liveness:
@@ -294,17 +187,16 @@ def _backward_after_exit(alive: _Liveness, grad: torch.Tensor) -> None:
         raise RuntimeError(_AFTER_EXIT)
 
 
-def _multi_forward_unsupported() -> RuntimeError:
-    return RuntimeError(
-        "no_reshard_between_backwards: a second forward inside one block with FSDP1 "
-        "parameter mixed precision needs torch._C._will_engine_execute_node and "
-        f"torch._C._current_graph_task_id, which torch {torch.__version__} lacks. Run "
-        "one forward per block (concatenate the inputs into one batch) or turn off "
-        "MixedPrecision(param_dtype=...)."
-    )
+_GRADS_OF_GRADS = (
+    "no_reshard_between_backwards: this backward has create_graph=True and accumulates "
+    "into FSDP1 parameters' .grad, which FSDP1 cannot reduce (\"FSDP does not support "
+    "gradients of gradients\"). Nothing was changed. Build the inner gradient with "
+    "torch.autograd.grad(..., create_graph=True) and backpropagate the outer loss "
+    "with a plain .backward() in a later pass of the same block."
+)
 
 
-class FSDP1Block(BlockBase):
+class FSDP1Block(GradBookkeeping, BlockBase):
     """One ``no_reshard_between_backwards`` block on an FSDP1 root."""
 
     def __init__(self, model: nn.Module, options: RetainOptions) -> None:
@@ -340,13 +232,21 @@ class FSDP1Block(BlockBase):
         self._counted_hooks: list[Any] = []
         self._counts: dict[Any, list[int]] = {}
         self._alive = _Liveness()  # shared with the guard hooks on the graph
-        self._sentinels: dict[Any, _Sentinel] = {}
+        self._sentinels: dict[Any, Any] = {}  # see _fsdp1_grads
         self._unit_inputs = {}
         # Probe pass: each state's _sync_gradients and each handle's
         # (.grad, _saved_grad_shard) before it.
         self._probe_sync: list[tuple[Any, bool]] = []
-        self._probe_grads: dict[Any, tuple[Any, Any]] = {}
+        # Each handle's (.grad, _saved_grad_shard) before the running pass, and
+        # the handles whose AccumulateGrad it runs.
+        self._grads_before: dict[Any, tuple[Any, Any]] = {}
+        self._accumulating: set[Any] = set()
         self._state_of: dict[Any, Any] = {}
+        # The autograd nodes of each unit's forward outputs, and of the outputs
+        # of the modules inside it (a pass that runs one of them uses the unit).
+        self._output_nodes: dict[Any, list[Any]] = {}
+        self._inner_nodes: dict[Any, list[Any]] = {}
+        self._watching = False
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -369,7 +269,10 @@ class FSDP1Block(BlockBase):
         self._saved_sync = [
             (s, require_attr(s, "_sync_gradients", _FLAVOUR)) for s in self._states
         ]
+        self._state_of = {handle: state for state, handle in self._handles}
         self._installed = True
+        _pass_start.watch(self)
+        self._watching = True
         for _, handle in self._handles:
             original = require_attr(handle, "reshard", _FLAVOUR)
             handle.reshard = functools.partial(self._reshard, handle, original)
@@ -386,6 +289,14 @@ class FSDP1Block(BlockBase):
             # pre-backward hooks, after its pre-forward unsharded the parameters.
             inner = require_attr(state, "_fsdp_wrapped_module", _FLAVOUR)
             self._hooks.append(inner.register_forward_hook(self._guard_outputs))
+            if state._handle is not None:
+                # The outputs FSDP's pre-backward hooks are on: what the unit
+                # returns (other module hooks may wrap the inner module's).
+                record = functools.partial(self._record_nodes, self._output_nodes, state._handle)
+                self._hooks.append(state.register_forward_hook(record))
+                record = functools.partial(self._record_nodes, self._inner_nodes, state._handle)
+                for module in _own_modules(inner):
+                    self._hooks.append(module.register_forward_hook(record))
             handle = state._handle
             if handle is not None and handle.flat_param.requires_grad:
                 capture = functools.partial(self._capture_acc_grad, state, handle)
@@ -396,6 +307,9 @@ class FSDP1Block(BlockBase):
 
     def _uninstall(self) -> None:
         self._alive.exited = True
+        if self._watching:
+            _pass_start.unwatch(self)
+            self._watching = False
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -444,7 +358,8 @@ class FSDP1Block(BlockBase):
         phase = handle._training_state
         if phase == self._phase.FORWARD:  # post-forward reshard
             return fsdp_free and not self.options.keep_unsharded
-        if phase in (self._phase.BACKWARD_PRE, self._phase.BACKWARD_POST):
+        # _pass_open: also FSDP's catch-all reshard of units the pass never reached.
+        if phase in (self._phase.BACKWARD_PRE, self._phase.BACKWARD_POST) or self._pass_open:
             if self.options.keep_unsharded:
                 return self._freeing
             # Free even where FSDP's no_sync() heuristic keeps SHARD_GRAD_OP
@@ -479,6 +394,12 @@ class FSDP1Block(BlockBase):
         for t in grad_tensors(output):
             t.register_hook(guard)  # lives as long as the graph
 
+    @staticmethod
+    def _record_nodes(where: dict, handle: Any, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and _graph_task_id() == -1:
+            nodes = where.setdefault(handle, [])
+            nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
+
     def _capture_acc_grad(self, state: Any, handle: Any, module: nn.Module, args: Any) -> None:
         """Remembers the ``AccumulateGrad`` node this forward's graph uses.
 
@@ -499,11 +420,6 @@ class FSDP1Block(BlockBase):
     def _count_post_backward(self, state: Any, handle: Any) -> None:
         """Hooks a later forward's node; from now on every node of ``handle``
         runs ``_counted_post_backward`` instead of FSDP's hook."""
-        if not all(
-            hasattr(torch._C, name)
-            for name in ("_will_engine_execute_node", "_current_graph_task_id")
-        ):
-            raise _multi_forward_unsupported()
         nodes = self._acc_grads[handle]
         hook = functools.partial(self._counted_post_backward, state, handle)
         flat_param = handle.flat_param
@@ -534,13 +450,80 @@ class FSDP1Block(BlockBase):
         if not self._pass_open:
             self._on_pass_start()
 
+    # Called by _pass_start around every backward while installed #
+    def before_backward(self) -> None:
+        """Outside the engine, before any hook of the pass has moved a gradient."""
+        if self._exited or self._pass_open:
+            return
+        self._check_sentinels()  # a zero_grad() since the last pass
+        self._snapshot_grads()
+
+    @_loud
+    def on_backward_start(self) -> None:
+        """Inside the pass, before its first node runs."""
+        if self._exited or self._pass_open:
+            return
+        run = _pass_start.will_run
+        uses = {
+            handle
+            for _, handle in self._handles
+            if any(map(run, self._acc_grads.get(handle, ())))
+            or any(map(run, self._inner_nodes.get(handle, ())))
+            or any(map(run, self._output_nodes.get(handle, ())))
+        }
+        if not uses:
+            self._grads_before = {}
+            return  # another model's backward
+        self._accumulating = {
+            h for h in uses if any(map(run, self._acc_grads.get(h, ())))
+        }
+        if torch.is_grad_enabled() and self._accumulating and not self.probing:
+            raise RuntimeError(_GRADS_OF_GRADS)
+        self._on_pass_start()
+        for state, handle in self._handles:
+            if handle in uses and not handle._ran_pre_backward_hook and self._runs_early(handle):
+                self._pre_backward(state, handle)
+        if self._freeing and self.options.sync_grads == "last" and not self.probing:
+            # The last pass reduces what it accumulates into; the rest at exit.
+            for state, handle in self._handles:
+                if handle not in self._accumulating:
+                    state._sync_gradients = False
+
+    def _runs_early(self, handle: Any) -> bool:
+        """Whether the block must do ``handle``'s pre-backward at the pass start."""
+        if self.options.keep_unsharded:
+            # Nothing to gather: prepare every unit the pass accumulates into,
+            # so no AccumulateGrad runs before FSDP's hook would have.
+            return handle in self._accumulating
+        # A first-order pass over the forward reaches a unit's parameters only
+        # after its outputs, unless it starts inside the unit.
+        return not any(map(_pass_start.will_run, self._output_nodes.get(handle, ())))
+
+    def _pre_backward(self, state: Any, handle: Any) -> None:
+        """FSDP1's per-unit pre-backward hook, for a pass that reaches the unit's
+        parameters before (or without) its outputs."""
+        fsdp = self._fsdp
+        state.training_state = fsdp.TrainingState.FORWARD_BACKWARD
+        handle._training_state = self._phase.BACKWARD_PRE
+        if handle._needs_pre_backward_unshard:
+            if not handle._prefetched:
+                fsdp.unshard(state, handle, state._unshard_stream, state._pre_unshard_stream)
+            state._device_handle.current_stream().wait_stream(state._unshard_stream)
+        handle._needs_pre_backward_unshard = False
+        handle.prepare_gradient_for_backward()
+        handle._ran_pre_backward_hook = True
+
     @_loud
     def _on_pass_start(self) -> None:
-        # FSDP's root pre-backward hook ran just before (registered first) and
-        # queued its final callback; ours runs after it.
         if torch.is_grad_enabled() and not self.options.keep_unsharded:
             raise create_graph_needs_keep()
         self._pass_open = True
+        model = self.model
+        if not model._post_backward_callback_queued:
+            # What FSDP's root pre-backward hook does first, for a pass that
+            # does not start at (or never reaches) the root's outputs.
+            self._fsdp.register_post_backward_final_callback(model, model)
+            self._fsdp.reset_flat_param_grad_info_if_needed([h for _, h in self._handles])
         _queue_callback(self._on_pass_end)
         index = self.tracker.begin()
         self._check_sentinels()  # units whose pre-backward has not run yet
@@ -554,6 +537,8 @@ class FSDP1Block(BlockBase):
         self._pass_open = False
         self.tracker.end()
         self._end_probe()
+        if self.options.sync_grads == "last" and self._freeing:
+            self._restore_sync()
         fsdp = self._fsdp
         for state, handle in self._handles:
             flat_param = handle.flat_param
@@ -603,48 +588,16 @@ class FSDP1Block(BlockBase):
         self._fsdp.post_backward_reshard(state, handle)
 
     def _before_probe(self) -> None:
-        # Apply a zero_grad() since the last pass first (sync_grads="last"), so
-        # that the snapshot below is what the next normal pass must see.
-        self._check_sentinels()
         self._probe_sync = [(s, s._sync_gradients) for s in self._states]
         for state in self._states:
             state._sync_gradients = False
-        self._state_of = {handle: state for state, handle in self._handles}
-        self._probe_grads = {
-            handle: (
-                handle.flat_param.grad,
-                handle.flat_param.__dict__.get("_saved_grad_shard", _MISSING),
-            )
-            for _, handle in self._handles
-        }
 
     def _end_probe(self) -> None:
-        """Undoes what FSDP's pre-backward did to the gradients in a probe pass."""
         for state, value in self._probe_sync:
             state._sync_gradients = value
         self._probe_sync = []
-        for handle, (grad, saved) in self._probe_grads.items():
-            flat_param = handle.flat_param
-            if handle._use_orig_params and not handle.uses_sharded_strategy:
-                # NO_SHARD: the catch-all reshard takes the unit for resharded
-                # (pytorch/pytorch#83956), so put back the parameter views that
-                # the post-backward hook would have.
-                state = self._state_of[handle]
-                self._fsdp.reshard(state, handle, False)
-                if flat_param.grad is not None:
-                    handle._use_sharded_grad_views()
-            now = flat_param.__dict__.get("_saved_grad_shard", _MISSING)
-            if flat_param.grad is grad and now is saved:
-                continue
-            # prepare_gradient_for_backward() moved a reduced .grad aside.
-            flat_param.grad = grad
-            if saved is _MISSING:
-                flat_param.__dict__.pop("_saved_grad_shard", None)
-            else:
-                flat_param._saved_grad_shard = saved
-            if handle._use_orig_params:
-                handle._use_sharded_grad_views()
-        self._probe_grads = {}
+        self._restore_grads()
+
 
     # Exit helpers #
     def _reshard_all(self) -> None:
@@ -680,151 +633,34 @@ class FSDP1Block(BlockBase):
             hook.remove()
         self._counted_hooks.clear()
         self._counts.clear()
+        self._output_nodes.clear()
+        self._inner_nodes.clear()
         self._forward_tensors.clear()
         self._acc_grads.clear()
         self._regather.clear()
         self._sentinels.clear()
 
-    def _drop_unreduced(self, handle: Any, pending_local: bool) -> None:
-        flat_param = handle.flat_param
-        grad = flat_param.grad
-        if handle.uses_sharded_strategy:
-            if grad is not None and grad.shape != flat_param._sharded_size:
-                grad = None
-            saved = flat_param.__dict__.pop("_saved_grad_shard", None)
-            if grad is None:
-                grad = saved
-        elif pending_local:
-            grad = None  # NO_SHARD: reduced and local gradients share one tensor
-        flat_param.grad = grad
-        if handle._use_orig_params:
-            handle._use_sharded_grad_views()
 
-    # sync_grads="last" #
-    def _needs_flush(self) -> bool:
-        if self.options.sync_grads != "last" or not all(s for _, s in self._saved_sync):
-            return False  # nothing held back, or the user is inside FSDP's no_sync()
-        return any(self._has_unreduced(h) for _, h in self._handles)
 
-    @staticmethod
-    def _has_unreduced(handle: Any) -> bool:
-        flat_param = handle.flat_param
-        return flat_param.grad is not None and getattr(
-            flat_param, "_post_backward_called", False
+
+
+
+
+
+
+
+
+def _own_modules(inner: nn.Module):
+    """``inner`` and its submodules, without those of nested FSDP1 units."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    stack = [inner]
+    while stack:
+        module = stack.pop()
+        yield module
+        stack.extend(
+            c for c in module.children() if not isinstance(c, FullyShardedDataParallel)
         )
-
-    def _flush_gradients(self) -> None:
-        """Reduces the held-back gradients with FSDP's own post-backward path."""
-        fsdp = self._fsdp
-        for state in self._states:
-            state.training_state = fsdp.TrainingState.FORWARD_BACKWARD
-        for state, handle in self._handles:
-            flat_param = handle.flat_param
-            if self._has_unreduced(handle):
-                handle._training_state = self._phase.BACKWARD_PRE
-                fsdp.post_backward_hook(state, handle, flat_param)
-            elif not hasattr(flat_param, "_saved_grad_shard"):
-                # Nothing to hand to .grad (e.g. dropped by zero_grad()).
-                flat_param._post_backward_called = False
-        fsdp.post_backward_final_callback(self.model, self.model)
-
-    def _record_sentinels(self) -> None:
-        """Remembers the ``.grad`` each unit shows, to apply a ``zero_grad()`` later.
-
-        With ``sync_grads="last"`` the gradients of earlier passes are local
-        unsharded tensors in ``.grad`` (as in ``no_sync()``), while gradients
-        from before the block sit aside in ``_saved_grad_shard``. FSDP alone
-        would keep those, and with ``use_orig_params=True`` it zeroes a
-        cleared parameter's gradient at its *sharded* offset in the unsharded
-        gradient (``_writeback_orig_params``), i.e. the wrong elements.
-        """
-        self._sentinels.clear()
-        if self.options.sync_grads != "last" or self._freeing:
-            return
-        for _, handle in self._handles:
-            flat_param = handle.flat_param
-            params = tuple(flat_param._params or ()) if handle._use_orig_params else ()
-            grads = tuple(p.grad for p in params)
-            if flat_param.grad is None and all(g is None for g in grads):
-                continue
-            self._sentinels[handle] = _Sentinel(
-                flat_param.grad,
-                _version(flat_param.grad),
-                grads,
-                tuple(_version(g) for g in grads),
-            )
-
-    def _check_sentinels(self) -> None:
-        for handle in list(self._sentinels):
-            self._check_sentinel(handle)
-
-    def _pre_unshard(self, handle: Any, original) -> bool:
-        # Before FSDP's gradient writeback in the pre-backward unshard.
-        if handle._training_state == self._phase.BACKWARD_PRE:
-            self._check_sentinel(handle)
-        return original()
-
-    def _check_sentinel(self, handle: Any) -> None:
-        sentinel = self._sentinels.pop(handle, None)
-        if sentinel is None:
-            return
-        flat_param = handle.flat_param
-        if not handle._use_orig_params:
-            grad = flat_param.grad
-            if not hasattr(flat_param, "_saved_grad_shard"):
-                return
-            if grad is not sentinel.flat_grad:
-                del flat_param._saved_grad_shard  # set to None or replaced
-            elif sentinel.changed_in_place():
-                if not grad.any():
-                    del flat_param._saved_grad_shard  # zeroed in place
-                else:
-                    _warn_in_place()
-            return
-        params = flat_param._params
-        if all(p.grad is None for p in params):
-            flat_param.grad = None
-            flat_param.__dict__.pop("_saved_grad_shard", None)
-            return
-        cleared = [
-            i
-            for i, (param, old) in enumerate(zip(params, sentinel.param_grads))
-            if old is not None and param.grad is None
-        ]
-        if cleared:
-            for i in cleared:
-                sentinel.param_grads[i].zero_()  # a view into the flat gradient
-            # Show them again, so FSDP's writeback has nothing to "fix".
-            handle._use_unsharded_grad_views()
-        if not hasattr(flat_param, "_saved_grad_shard"):
-            return
-        if sentinel.changed_in_place():
-            zeroed = {
-                i
-                for i, g in enumerate(sentinel.param_grads)
-                if g is not None and not g.any()
-            }
-            cleared = sorted(set(cleared) | zeroed)
-        self._zero_saved_shard(handle, cleared)
-
-    @staticmethod
-    def _zero_saved_shard(handle: Any, indices: list[int]) -> None:
-        flat_param = handle.flat_param
-        saved = flat_param._saved_grad_shard
-        for i in indices:
-            info = flat_param._shard_param_infos[i]
-            if info.in_shard:
-                offset = info.offset_in_shard
-                saved[offset : offset + info.numel_in_shard].zero_()
-
-
-def _warn_in_place() -> None:
-    warn_once(
-        "fsdp1-inplace-grad",
-        "fsdp_retain: with sync_grads='last', FSDP1 keeps gradients from before the "
-        "block apart from .grad (in _saved_grad_shard); an in-place change of .grad "
-        "between passes reaches them only where it zeroes a whole parameter.",
-    )
 
 
 def _non_root_message(model: nn.Module) -> str:

@@ -23,22 +23,31 @@ What the block does to FSDP2, per FSDP parameter group (one per unit):
 Pass boundaries come from FSDP2 itself: the first pre-backward hook of a pass
 queues FSDP2's root final callback; we wrap that registration to learn that a
 pass starts, and queue our own callback right after FSDP2's to learn it ended.
+A pass may start from any tensor of the forward and never reach a unit output
+(no pre-backward hook fires); ``_pass_start`` then lets the block queue the
+final callback itself before the pass's first node runs, so the units it
+reached are reduced. With ``keep_unsharded=False`` the block also runs the
+pre-backward (the all-gather) of units the pass uses but whose outputs it
+never reaches, e.g. when it starts inside the unit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from . import _pass_start
 from ._common import (
     BlockBase,
     ACTIVE_ATTR,
     PassTracker,
     RetainOptions,
     create_graph_needs_keep,
+    grad_tensors,
     missing_internal,
     require_attr,
 )
@@ -157,6 +166,11 @@ class FSDP2Block(BlockBase):
         self._pending_unreduced = False
         self._unit_inputs = {}
         self._probe_flags: list[tuple[Any, bool, bool]] = []
+        # Autograd nodes of each state's forward: outputs, and inputs plus the
+        # AccumulateGrad nodes of its unsharded parameters.
+        self._output_nodes: dict[Any, list[Any]] = {}
+        self._used_nodes: dict[Any, list[Any]] = {}
+        self._watching = False
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -200,6 +214,15 @@ class FSDP2Block(BlockBase):
         for state in self._states:
             for module in require_attr(state, "_modules", _FLAVOUR):
                 self._forward_hooks.append(self.capture_unit_inputs(module))
+                # After FSDP2's own hooks: unsharded parameters, wrapped inputs and outputs.
+                record = functools.partial(self._record_inputs, state)
+                self._forward_hooks.append(
+                    module.register_forward_pre_hook(record, with_kwargs=True)
+                )
+                record = functools.partial(self._record_outputs, state)
+                self._forward_hooks.append(module.register_forward_hook(record))
+        _pass_start.watch(self)
+        self._watching = True
         if opts.keep_unsharded:
             for group in self._groups:
                 for module in group.modules:
@@ -209,6 +232,11 @@ class FSDP2Block(BlockBase):
                     self._forward_hooks.append(handle)
 
     def _uninstall(self) -> None:
+        if self._watching:
+            _pass_start.unwatch(self)
+            self._watching = False
+        self._output_nodes.clear()
+        self._used_nodes.clear()
         for handle in self._forward_hooks:
             handle.remove()
         self._forward_hooks.clear()
@@ -261,6 +289,57 @@ class FSDP2Block(BlockBase):
         return get_id is not None and get_id() != -1
 
     # Pass boundaries #
+    def _record_inputs(self, state: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not torch.is_grad_enabled() or self._in_backward():
+            return
+        from torch.autograd.graph import get_gradient_edge
+
+        nodes = self._used_nodes.setdefault(state, [])
+        nodes.extend(get_gradient_edge(t).node for t in grad_tensors((args, kwargs)))
+
+    def _record_outputs(self, state: Any, module: nn.Module, args: Any, output: Any) -> None:
+        # Also runs for the root's first forward, whose pre-hooks were already
+        # being called when the block installed its own.
+        if not torch.is_grad_enabled() or self._in_backward():
+            return
+        nodes = self._output_nodes.setdefault(state, [])
+        nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
+        used = self._used_nodes.setdefault(state, [])
+        for group in _param_groups(state):
+            for fsdp_param in group.fsdp_params:
+                param = require_attr(fsdp_param, "unsharded_param", _FLAVOUR)
+                if param.requires_grad and param.untyped_storage().nbytes() > 0:
+                    # The AccumulateGrad node this forward's graph uses. Units
+                    # resharded after forward are found by their inputs instead.
+                    with torch.enable_grad():
+                        used.append(param.expand_as(param).grad_fn.next_functions[0][0])
+
+    def before_backward(self) -> None:
+        """Called by ``_pass_start`` before every backward; nothing to do here."""
+
+    def on_backward_start(self) -> None:
+        """Inside every backward, before its first node runs (see ``_pass_start``)."""
+        if self._exited:
+            return
+        run = _pass_start.will_run
+        used = [
+            state
+            for state in self._states
+            if any(map(run, self._used_nodes.get(state, ())))
+            or any(map(run, self._output_nodes.get(state, ())))
+        ]
+        if not used:
+            return  # another model's backward
+        if not self._state._state_ctx.post_backward_final_callback_queued:
+            # No root output in this pass: what FSDP2's first pre-backward does.
+            self._state._register_root_post_backward_final_callback()
+        if self.options.keep_unsharded:
+            return
+        for state in used:
+            if not any(map(run, self._output_nodes.get(state, ()))):
+                # The pass starts inside this unit: gather it before its nodes run.
+                state._pre_backward(torch.empty(0))
+
     def _wrap_pass_start(self, state: Any, original):
         def register_final_callback() -> None:
             if not self._state._state_ctx.post_backward_final_callback_queued:

@@ -16,6 +16,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from fsdp_retain import no_reshard_between_backwards
 from fsdp_retain._fsdp2 import fsdp2_all_sharded, fsdp2_snapshot
+from fsdp_retain._measure import count_collectives
+from tests import any_start
 from tests import fsdp2_utils as f2
 from tests.harness import Registry
 from tests.parity import (
@@ -380,3 +382,73 @@ def parity_world_size_4() -> None:
 
             run_parity(model, ref, scenario, f2.ADAPTER, expect)
 
+
+
+# --- Passes that start anywhere in the forward (see tests/any_start.py) ------
+def _plain_all_gathers(run) -> int:
+    """All-gathers of one plain step (``run(model, counts)``) on a fresh model."""
+    net = make_net()
+    model = f2.wrap(net)
+    with count_collectives() as counts:
+        run(net, model, counts)
+    return counts.all_gather
+
+
+@registry.case()
+def any_start_passes() -> None:
+    """FSDP2: passes from an activation inside a unit (blocks[1].fc1), the
+    inner output of blocks[0] (before FSDP2's hooks wrap it) and a tensor that
+    reaches only the root unit (inp), mixed with the output loss. Plain FSDP2
+    crashes on the first (the unit was resharded after forward) and all-gathers
+    again in each pass on the others. In the block each start set, with two of
+    the four (keep_unsharded, sync_grads) pairs, matches the reference over 3
+    steps after every pass, reduce-scatters each unit once per pass reaching it
+    ("every") or once per step ("last"), and with keep_unsharded=True
+    all-gathers only in the forward."""
+    outcome = any_start.plain_fails_or_is_wrong(f2.wrap, f2.ADAPTER, ["inner", "out"])
+    assert outcome.startswith("raised"), outcome
+
+    def plain(net, model, counts):
+        captured = any_start.Captured(net)
+        starts = ["unit_out", "root_only"]
+        any_start.step(model, captured, sgd(model), batch(0), starts,
+                       contextlib.nullcontext(), f2.full_grads, counts)
+
+    plain_ag = _plain_all_gathers(plain)
+    for i, starts in enumerate(any_start.START_SETS):
+        for keep, sync in (OPTION_GRID[i % 4], OPTION_GRID[(i + 2) % 4]):
+
+            def expect(model, counts, starts=starts, keep=keep, sync=sync) -> None:
+                rs = any_start.reductions(starts, sync)
+                assert counts.reduce_scatter == rs, f"{counts.by_op}, expected {rs} reduce-scatters"
+                if keep:
+                    n = f2.units(model)
+                    assert counts.all_gather == n, f"{counts.by_op}, expected {n} all-gathers"
+                    if starts == any_start.START_SETS[2]:
+                        assert plain_ag > n, f"plain FSDP2 all-gathered {plain_ag}, block {n}"
+
+            options = block_options(keep, sync, len(starts) if i == 1 else None)
+            model = any_start.parity(
+                f2.wrap, f2.ADAPTER, starts, options, check_between=sync == "every", expect=expect
+            )
+            assert fsdp2_all_sharded(model)
+
+
+@registry.case()
+def penalty_across_passes() -> None:
+    """FSDP2: create_graph=True in pass 1 (an input-gradient penalty), plain
+    losses, then the penalty's backward (3 and 4 passes, "every" and "last")
+    match the reference over 3 steps with keep_unsharded=True; False refuses."""
+    for passes, sync in ((3, "every"), (3, "last"), (4, "every"), (4, "last")):
+        model = any_start.penalty_parity(f2.wrap, f2.ADAPTER, dict(sync_grads=sync), passes=passes)
+        assert fsdp2_all_sharded(model)
+    model = f2.wrap(make_net())
+    try:
+        any_start.penalty_across_passes(
+            model, batch(0), no_reshard_between_backwards(model, keep_unsharded=False)
+        )
+    except RuntimeError as exc:
+        assert "needs keep_unsharded=True" in str(exc), exc
+    else:
+        raise AssertionError("keep_unsharded=False accepted create_graph=True")
+    assert fsdp2_all_sharded(model)

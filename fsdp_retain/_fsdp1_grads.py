@@ -1,0 +1,235 @@
+"""FSDP1 gradient bookkeeping of the block (private FSDP1 access).
+
+Part of the FSDP1 backend with ``_fsdp1.py``: what the block does to the
+gradients FSDP1 holds, as a mixin of ``FSDP1Block``.
+
+- A pass that accumulates nothing into a unit (``autograd.grad``, a probe
+  pass, a pass that never reaches the unit after its pre-backward ran) gets
+  back what FSDP's pre-backward moved aside (``_restore_grads``); FSDP's final
+  callback would otherwise drop a reduced ``.grad`` it finds in
+  ``_saved_grad_shard`` with no new gradient.
+- ``sync_grads="last"``: gradients held back are reduced at the block exit
+  with FSDP's own post-backward path (``_flush_gradients``), and a
+  ``zero_grad()`` between passes is applied to them and to the gradients FSDP
+  holds aside from before the block (the sentinels).
+- On an exception, unreduced gradients are dropped (``_drop_unreduced``).
+
+The mixin uses the block's ``_handles``, ``_states``, ``_fsdp``, ``_phase``,
+``options``, ``model``, ``probing``, ``_freeing``, ``_saved_sync``,
+``_state_of``, ``_sentinels``, ``_grads_before`` and ``_accumulating``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ._common import warn_once
+
+@dataclasses.dataclass
+class _Sentinel:
+    """The ``.grad`` tensors a unit showed at the end of a pass (see ``_record_sentinels``)."""
+
+    flat_grad: torch.Tensor | None
+    version: int
+    param_grads: tuple[torch.Tensor | None, ...]
+    param_versions: tuple[int, ...]
+
+    def changed_in_place(self) -> bool:
+        # FSDP's unsharded gradient views (``no_sync``) do not share the flat
+        # gradient's version counter, so look at both.
+        return _version(self.flat_grad) != self.version or any(
+            _version(g) != v for g, v in zip(self.param_grads, self.param_versions)
+        )
+
+
+_MISSING = object()
+
+
+def _version(t: torch.Tensor | None) -> int:
+    return -1 if t is None else t._version
+
+
+def _warn_in_place() -> None:
+    warn_once(
+        "fsdp1-inplace-grad",
+        "fsdp_retain: with sync_grads='last', FSDP1 keeps gradients from before the "
+        "block apart from .grad (in _saved_grad_shard); an in-place change of .grad "
+        "between passes reaches them only where it zeroes a whole parameter.",
+    )
+
+
+class GradBookkeeping:
+    """Gradient handling of ``FSDP1Block`` (see the module docstring)."""
+
+    def _snapshot_grads(self) -> None:
+        """Each unit's (``.grad``, ``_saved_grad_shard``) before a pass."""
+        self._grads_before = {
+            handle: (
+                handle.flat_param.grad,
+                handle.flat_param.__dict__.get("_saved_grad_shard", _MISSING),
+            )
+            for _, handle in self._handles
+        }
+        self._accumulating = set(self._grads_before)
+
+    def _restore_grads(self) -> None:
+        """Undoes what FSDP's pre-backward did to the gradients of units the
+        pass accumulated nothing into (its final callback would drop them)."""
+        before, self._grads_before = self._grads_before, {}
+        for handle, (grad, saved) in before.items():
+            if handle in self._accumulating and not self.probing:
+                continue
+            flat_param = handle.flat_param
+            if handle._use_orig_params and not handle.uses_sharded_strategy:
+                # NO_SHARD: the catch-all reshard takes the unit for resharded
+                # (pytorch/pytorch#83956), so put back the parameter views that
+                # the post-backward hook would have.
+                state = self._state_of[handle]
+                self._fsdp.reshard(state, handle, False)
+                if flat_param.grad is not None:
+                    handle._use_sharded_grad_views()
+            now = flat_param.__dict__.get("_saved_grad_shard", _MISSING)
+            if flat_param.grad is grad and now is saved:
+                continue
+            # prepare_gradient_for_backward() moved a reduced .grad aside.
+            flat_param.grad = grad
+            if saved is _MISSING:
+                flat_param.__dict__.pop("_saved_grad_shard", None)
+            else:
+                flat_param._saved_grad_shard = saved
+            if handle._use_orig_params:
+                handle._use_sharded_grad_views()
+
+    def _drop_unreduced(self, handle: Any, pending_local: bool) -> None:
+        flat_param = handle.flat_param
+        grad = flat_param.grad
+        if handle.uses_sharded_strategy:
+            if grad is not None and grad.shape != flat_param._sharded_size:
+                grad = None
+            saved = flat_param.__dict__.pop("_saved_grad_shard", None)
+            if grad is None:
+                grad = saved
+        elif pending_local:
+            grad = None  # NO_SHARD: reduced and local gradients share one tensor
+        flat_param.grad = grad
+        if handle._use_orig_params:
+            handle._use_sharded_grad_views()
+
+    def _needs_flush(self) -> bool:
+        if self.options.sync_grads != "last" or not all(s for _, s in self._saved_sync):
+            return False  # nothing held back, or the user is inside FSDP's no_sync()
+        return any(self._has_unreduced(h) for _, h in self._handles)
+
+    @staticmethod
+    def _has_unreduced(handle: Any) -> bool:
+        flat_param = handle.flat_param
+        return flat_param.grad is not None and getattr(
+            flat_param, "_post_backward_called", False
+        )
+
+    def _flush_gradients(self) -> None:
+        """Reduces the held-back gradients with FSDP's own post-backward path."""
+        fsdp = self._fsdp
+        for state in self._states:
+            state.training_state = fsdp.TrainingState.FORWARD_BACKWARD
+        for state, handle in self._handles:
+            flat_param = handle.flat_param
+            if self._has_unreduced(handle):
+                handle._training_state = self._phase.BACKWARD_PRE
+                fsdp.post_backward_hook(state, handle, flat_param)
+            elif not hasattr(flat_param, "_saved_grad_shard"):
+                # Nothing to hand to .grad (e.g. dropped by zero_grad()).
+                flat_param._post_backward_called = False
+        fsdp.post_backward_final_callback(self.model, self.model)
+
+    def _record_sentinels(self) -> None:
+        """Remembers the ``.grad`` each unit shows, to apply a ``zero_grad()`` later.
+
+        With ``sync_grads="last"`` the gradients of earlier passes are local
+        unsharded tensors in ``.grad`` (as in ``no_sync()``), while gradients
+        from before the block sit aside in ``_saved_grad_shard``. FSDP alone
+        would keep those, and with ``use_orig_params=True`` it zeroes a
+        cleared parameter's gradient at its *sharded* offset in the unsharded
+        gradient (``_writeback_orig_params``), i.e. the wrong elements.
+        """
+        self._sentinels.clear()
+        if self.options.sync_grads != "last" or self._freeing:
+            return
+        for _, handle in self._handles:
+            flat_param = handle.flat_param
+            params = tuple(flat_param._params or ()) if handle._use_orig_params else ()
+            grads = tuple(p.grad for p in params)
+            if flat_param.grad is None and all(g is None for g in grads):
+                continue
+            self._sentinels[handle] = _Sentinel(
+                flat_param.grad,
+                _version(flat_param.grad),
+                grads,
+                tuple(_version(g) for g in grads),
+            )
+
+    def _check_sentinels(self) -> None:
+        for handle in list(self._sentinels):
+            self._check_sentinel(handle)
+
+    def _pre_unshard(self, handle: Any, original) -> bool:
+        # Before FSDP's gradient writeback in the pre-backward unshard.
+        if handle._training_state == self._phase.BACKWARD_PRE:
+            self._check_sentinel(handle)
+        return original()
+
+    def _check_sentinel(self, handle: Any) -> None:
+        sentinel = self._sentinels.pop(handle, None)
+        if sentinel is None:
+            return
+        flat_param = handle.flat_param
+        if not handle._use_orig_params:
+            grad = flat_param.grad
+            if not hasattr(flat_param, "_saved_grad_shard"):
+                return
+            if grad is not sentinel.flat_grad:
+                del flat_param._saved_grad_shard  # set to None or replaced
+            elif sentinel.changed_in_place():
+                if not grad.any():
+                    del flat_param._saved_grad_shard  # zeroed in place
+                else:
+                    _warn_in_place()
+            return
+        params = flat_param._params
+        if all(p.grad is None for p in params):
+            flat_param.grad = None
+            flat_param.__dict__.pop("_saved_grad_shard", None)
+            return
+        cleared = [
+            i
+            for i, (param, old) in enumerate(zip(params, sentinel.param_grads))
+            if old is not None and param.grad is None
+        ]
+        if cleared:
+            for i in cleared:
+                sentinel.param_grads[i].zero_()  # a view into the flat gradient
+            # Show them again, so FSDP's writeback has nothing to "fix".
+            handle._use_unsharded_grad_views()
+        if not hasattr(flat_param, "_saved_grad_shard"):
+            return
+        if sentinel.changed_in_place():
+            zeroed = {
+                i
+                for i, g in enumerate(sentinel.param_grads)
+                if g is not None and not g.any()
+            }
+            cleared = sorted(set(cleared) | zeroed)
+        self._zero_saved_shard(handle, cleared)
+
+    @staticmethod
+    def _zero_saved_shard(handle: Any, indices: list[int]) -> None:
+        flat_param = handle.flat_param
+        saved = flat_param._saved_grad_shard
+        for i in indices:
+            info = flat_param._shard_param_infos[i]
+            if info.in_shard:
+                offset = info.offset_in_shard
+                saved[offset : offset + info.numel_in_shard].zero_()

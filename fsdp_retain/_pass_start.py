@@ -1,0 +1,101 @@
+"""Seeing every backward pass start, also passes that FSDP's own hooks never see.
+
+FSDP learns that a backward starts from hooks on unit outputs. A pass may
+start anywhere in the forward (an activation inside a unit, a non-root unit's
+output, the graph of a ``create_graph=True`` gradient) and reach a unit's
+parameters without passing one of those outputs first, or reach no root
+output at all. The block must then do FSDP's pre-backward work itself, before
+the first node of the pass runs.
+
+While a block is installed, torch.autograd's engine entry
+(``torch.autograd._engine_run_backward``, which ``Tensor.backward``,
+``torch.autograd.backward`` and ``torch.autograd.grad`` all call) is wrapped:
+each watcher's ``before_backward()`` runs before the engine starts, and a
+pre-hook on the autograd node of every root tensor runs the watchers'
+``on_backward_start()`` inside the pass, where callbacks can be queued and
+:func:`will_run` answers, before any node computes. Nested backwards (e.g.
+reentrant activation checkpointing) pass through untouched.
+
+This is autograd-private access shared by both backends; FSDP internals stay
+in ``_fsdp1.py`` and ``_fsdp2.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.autograd
+
+from ._common import missing_internal
+
+_ENTRY = "_engine_run_backward"
+_watchers: list = []
+_original = None
+
+
+def will_run(node) -> bool:
+    """Whether the running backward executes ``node`` (call only inside a pass)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return True  # a leaf that autograd.grad captures: the pass reaches it
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def watch(watcher) -> None:
+    """Starts calling ``watcher.before_backward()`` / ``on_backward_start()``."""
+    global _original
+    if not _watchers:
+        for name in ("_will_engine_execute_node", "_current_graph_task_id"):
+            if not hasattr(torch._C, name):
+                raise missing_internal(f"torch._C.{name}", "autograd")
+        entry = getattr(torch.autograd, _ENTRY, None)
+        if entry is None:
+            raise missing_internal(f"torch.autograd.{_ENTRY}", "autograd")
+        _original = entry
+        setattr(torch.autograd, _ENTRY, _run_backward)
+    _watchers.append(watcher)
+
+
+def unwatch(watcher) -> None:
+    global _original
+    if watcher in _watchers:
+        _watchers.remove(watcher)
+    if not _watchers and _original is not None:
+        setattr(torch.autograd, _ENTRY, _original)
+        _original = None
+
+
+def _roots(outputs) -> list:
+    nodes, seen = [], set()
+    for item in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+        node = item.grad_fn if isinstance(item, torch.Tensor) else getattr(item, "node", None)
+        if node is not None and id(node) not in seen:
+            seen.add(id(node))
+            nodes.append(node)
+    return nodes
+
+
+def _run_backward(outputs, *args, **kwargs):
+    original = _original
+    if in_backward() or not _watchers:
+        return original(outputs, *args, **kwargs)
+    watchers = list(_watchers)
+    for watcher in watchers:
+        watcher.before_backward()
+    started = []
+
+    def start(grad_outputs):
+        if not started:
+            started.append(True)
+            for watcher in watchers:
+                watcher.on_backward_start()
+
+    handles = [node.register_prehook(start) for node in _roots(outputs)]
+    try:
+        return original(outputs, *args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
