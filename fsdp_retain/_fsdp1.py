@@ -240,6 +240,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         # Each handle's (.grad, _saved_grad_shard) before the running pass, and
         # the handles whose AccumulateGrad it runs.
         self._grads_before: dict[Any, tuple[Any, Any]] = {}
+        self._had_sentinels = False
         self._accumulating: set[Any] = set()
         self._state_of: dict[Any, Any] = {}
         # The autograd nodes of each unit's forward outputs, and of the outputs
@@ -455,6 +456,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         """Outside the engine, before any hook of the pass has moved a gradient."""
         if self._exited or self._pass_open:
             return
+        self._had_sentinels = bool(self._sentinels)
         self._check_sentinels()  # a zero_grad() since the last pass
         self._snapshot_grads()
 
@@ -471,9 +473,11 @@ class FSDP1Block(GradBookkeeping, BlockBase):
             or any(map(run, self._inner_nodes.get(handle, ())))
             or any(map(run, self._output_nodes.get(handle, ())))
         }
-        if not uses:
+        if not uses:  # another model's backward
             self._grads_before = {}
-            return  # another model's backward
+            if self._had_sentinels:
+                self._record_sentinels()  # still watch for a zero_grad() before our next pass
+            return
         self._accumulating = {
             h for h in uses if any(map(run, self._acc_grads.get(h, ())))
         }

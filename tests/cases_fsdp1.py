@@ -217,8 +217,17 @@ def _clear_one(name):
     return clear
 
 
+def _other_backward_then_zero_grad(model, opt) -> None:
+    """Another model's backward between passes (the block sees it start and
+    leaves it alone), then ``zero_grad()``."""
+    other = torch.nn.Linear(3, 1)
+    other(torch.ones(2, 3)).sum().backward()
+    model.zero_grad()
+
+
 _BETWEEN = {
     "model_zero_grad": lambda model, opt: model.zero_grad(),
+    "other_backward_then_zero_grad": _other_backward_then_zero_grad,
     "opt_zero_grad_in_place": lambda model, opt: opt.zero_grad(set_to_none=False),
     # Parameters that straddle or miss rank 0's shard, in a block and in the root.
     "clear_one_param": _clear_one("blocks.1.fc2.weight"),
