@@ -58,7 +58,8 @@ def _make_block(model: nn.Module, options: RetainOptions):
         raise ValueError(
             f"no_reshard_between_backwards got a {type(model).__name__} that is not "
             "wrapped by FSDP: wrap it with fully_shard(...) or "
-            "FullyShardedDataParallel(...) and pass the root module."
+            "FullyShardedDataParallel(...) and pass the root module (with DeepSpeed "
+            "ZeRO-3, pass the engine deepspeed.initialize returns)."
         )
     _check_not_active(model)
     if flavour == "fsdp2":

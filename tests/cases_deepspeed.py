@@ -179,6 +179,7 @@ class Scenario:
     steps: int = 3
     use_block: bool = True
     probe_first: bool = False  # pass 1 is block.backward(..., param_grads=False)
+    persist: bool = False  # DeepSpeed's default persistence threshold: all resident
 
     def options(self) -> dict:
         return dict(
@@ -248,7 +249,11 @@ def expected_counts(engine, scenario: Scenario) -> dict:
 
 
 def run_parity(scenario: Scenario, check_counts: bool = True) -> None:
-    engine, ref = make_engine(ds_config(gas=scenario.gas, bf16=scenario.bf16))
+    zero = dict(stage3_param_persistence_threshold=100_000) if scenario.persist else {}
+    engine, ref = make_engine(ds_config(gas=scenario.gas, bf16=scenario.bf16, **zero))
+    check_counts = check_counts and not scenario.persist
+    persistent = [p.ds_persist for p in engine.module.parameters()]
+    assert all(persistent) if scenario.persist else not any(persistent), persistent
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
     dtype = next(engine.module.parameters()).dtype
     assert dtype == (torch.bfloat16 if scenario.bf16 else torch.float32), dtype
@@ -272,6 +277,8 @@ def run_parity(scenario: Scenario, check_counts: bool = True) -> None:
 
 def assert_all_released(engine) -> None:
     for name, param in engine.module.named_parameters():
+        if param.ds_persist:
+            continue
         assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE, f"{name}: {param.ds_summary()}"
         assert param.data.numel() == 0, f"{name} still owns {param.data.numel()} elements"
 
@@ -293,7 +300,8 @@ for passes, keep, sync, backwards, engine_backward in itertools.product(
     registry.add(_name(fields), _parity_case(**fields))
 
 for keep, sync in itertools.product((True, False), ("every", "last")):
-    for extra in (dict(gas=2), dict(bf16=True), dict(probe_first=True, passes=3)):
+    extras = (dict(gas=2), dict(bf16=True), dict(probe_first=True, passes=3), dict(persist=True))
+    for extra in extras:
         fields = dict(keep=keep, sync=sync, **extra)
         registry.add(_name(fields), _parity_case(**fields))
 
@@ -302,3 +310,106 @@ for keep, sync in itertools.product((True, False), ("every", "last")):
 def plain_one_pass_matches_reference() -> None:
     """Baseline: DeepSpeed alone, one backward per forward, matches the reference."""
     run_parity(Scenario(passes=1, use_block=False), check_counts=False)
+
+
+@registry.case()
+def without_block_second_pass_fails() -> None:
+    """The bug: DeepSpeed alone releases every parameter after pass 1."""
+    engine, _ = make_engine(ds_config())
+    out = engine(tokens(0)).logits
+    first, second = losses(out, 2)
+    engine.backward(first, retain_graph=True)
+    try:
+        engine.backward(second)
+    except RuntimeError as exc:
+        assert "size of tensor" in str(exc), exc
+    else:
+        raise AssertionError("pass 2 without the block was expected to fail")
+
+
+@registry.case()
+def stages_below_3_are_rejected() -> None:
+    for stage in (1, 2):
+        engine, _ = make_engine(ds_config(stage=stage))
+        try:
+            no_reshard_between_backwards(engine).__enter__()
+        except ValueError as exc:
+            assert f"got stage {stage}" in str(exc), exc
+        else:
+            raise AssertionError(f"stage {stage} was accepted")
+
+
+def snapshot(engine) -> dict:
+    """What the block may touch: hooks, coordinator overrides, optimizer flags."""
+    opt = engine.optimizer
+    coordinator = opt.parameter_offload.get_param_coordinator()
+    hooks = [
+        (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
+        for m in engine.module.modules()
+    ]
+    return dict(
+        hooks=hooks,
+        coordinator=sorted(coordinator.__dict__),
+        coalesce=opt._coalesce_grad_reduction,
+        micro_step=opt.micro_step_id,
+        depth=opt._backward_hook_state.backward_active_depth,
+        grads=[p.grad is None for p in engine.module.parameters()],
+    )
+
+
+def _state_case(keep: bool, sync: str, fail: bool):
+    def run() -> None:
+        engine, ref = make_engine(ds_config())
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+        plain = Scenario(passes=1, use_block=False)
+        before = snapshot(engine)
+        options = dict(keep_unsharded=keep, sync_grads=sync)
+        try:
+            with no_reshard_between_backwards(engine, **options):
+                out = engine(tokens(0)).logits
+                first, second = losses(out, 2)
+                engine.backward(first, retain_graph=True)
+                if fail:
+                    raise KeyError("boom")
+                engine.backward(second)
+        except KeyError:
+            assert fail
+            # The reduced pass stays in ZeRO-3's partitions; drop it as
+            # DeepSpeed would after a failed micro-batch.
+            engine.optimizer.zero_grad()
+        after = snapshot(engine)
+        if not fail:
+            assert after["micro_step"] == before["micro_step"], after
+        after["micro_step"] = before["micro_step"]
+        assert after == before, f"{before} -> {after}"
+        assert_all_released(engine)
+        if not fail:
+            engine.step()
+            reference_step(ref, ref_opt, Scenario(passes=2), 0)
+        for step in range(1, 3):
+            expected = reference_step(ref, ref_opt, plain, step)
+            engine_micro_step(engine, plain, step, 0)
+            assert_close(full_grads(engine), expected, f"plain step {step}: grads")
+            engine.step()
+            ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+            assert_close(full_params(engine), ref_params, f"plain step {step}: params")
+
+    return run
+
+
+for keep, sync, fail in itertools.product((True, False), ("every", "last"), (False, True)):
+    name = f"state_{'keep' if keep else 'regather'}_{sync}_{'exception' if fail else 'clean'}"
+    registry.add(name, _state_case(keep, sync, fail))
+
+
+@registry.case()
+def nested_block_is_rejected() -> None:
+    engine, _ = make_engine(ds_config())
+    with no_reshard_between_backwards(engine):
+        try:
+            no_reshard_between_backwards(engine).__enter__()
+        except ValueError as exc:
+            assert "already active" in str(exc), exc
+        else:
+            raise AssertionError("a nested block was accepted")
+    assert_all_released(engine)
