@@ -1,7 +1,7 @@
 """What the FSDP1 and FSDP2 backends share: options, pass bookkeeping, errors.
 
-Nothing here touches private torch internals; that lives in ``_fsdp1.py`` and
-``_fsdp2.py`` only.
+Nothing here touches private torch or DeepSpeed internals; that lives in
+``_fsdp1.py``, ``_fsdp2.py`` and ``_deepspeed.py`` only.
 
 [Note: why a retained graph needs unsharded storage]
 FSDP keeps each parameter sharded and all-gathers the full (unsharded) tensor
@@ -20,6 +20,13 @@ assumes each graph is walked exactly once:
   pre-backward hook re-gathers on every pass, so a retained graph works at the
   price of one all-gather per unit per extra backward, plus a reduce-scatter
   per unit per backward.
+
+- DeepSpeed ZeRO-3 releases a module's parameters after its backward
+  (``release_sub_module`` frees each parameter no submodule still uses) by
+  pointing ``param.data`` at an empty tensor; the graph saved the parameter
+  itself, so pass 2 sees size 0. Its pre-backward fetch and post-backward
+  release are counted once per forward, and its gradient reduction copies
+  over the previous pass while ``micro_step_id == 0``; see ``_deepspeed.py``.
 
 ``no_reshard_between_backwards`` keeps that storage alive between passes
 (``keep_unsharded=True``) or makes sure it is re-gathered before each pass

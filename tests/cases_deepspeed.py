@@ -180,12 +180,14 @@ class Scenario:
     use_block: bool = True
     probe_first: bool = False  # pass 1 is block.backward(..., param_grads=False)
     persist: bool = False  # DeepSpeed's default persistence threshold: all resident
+    check: bool = False  # check_saved_tensors
 
     def options(self) -> dict:
         return dict(
             keep_unsharded=self.keep,
             sync_grads=self.sync,
             backwards=self.passes if self.backwards else None,
+            check_saved_tensors=self.check,
         )
 
 
@@ -300,7 +302,13 @@ for passes, keep, sync, backwards, engine_backward in itertools.product(
     registry.add(_name(fields), _parity_case(**fields))
 
 for keep, sync in itertools.product((True, False), ("every", "last")):
-    extras = (dict(gas=2), dict(bf16=True), dict(probe_first=True, passes=3), dict(persist=True))
+    extras = (
+        dict(gas=2),
+        dict(bf16=True),
+        dict(probe_first=True, passes=3),
+        dict(persist=True),
+        dict(check=True),
+    )
     for extra in extras:
         fields = dict(keep=keep, sync=sync, **extra)
         registry.add(_name(fields), _parity_case(**fields))

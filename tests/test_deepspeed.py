@@ -21,3 +21,30 @@ def results():
 @pytest.mark.parametrize("name", cases_deepspeed.registry.names(world_size=2))
 def test_deepspeed(results, name):
     check_case(results, name)
+
+
+def test_accelerate_zero3_train():
+    """accelerate launch zero3.yaml (2 CPU ranks via the shim), gradient accumulation 2."""
+    pytest.importorskip("accelerate", reason="the accelerate example needs accelerate")
+    from tests.test_examples import CPU_FSDP, EXAMPLES, _accelerate, _check_ok, _number
+
+    proc = _accelerate("zero3.yaml", CPU_FSDP, str(EXAMPLES / "accelerate" / "train.py"))
+    out = _check_ok(proc)
+    assert (
+        "accelerate: DEEPSPEED (zero_stage 3), 2 processes on cpu, "
+        "gradient_accumulation_steps 2; model Net"
+    ) in out, out
+    assert _number(r"replay after (\d+) optimizer steps", out) == 8
+    assert _number(r"optimizer steps: (\S+)", out) <= 1e-4
+
+
+def test_accelerate_zero3_refuses_cpu_without_shim():
+    """On CPU accelerate gives every DeepSpeed rank a world of its own; the example refuses."""
+    pytest.importorskip("accelerate", reason="the accelerate example needs accelerate")
+    from tests.test_examples import EXAMPLES, _accelerate
+
+    proc = _accelerate("zero3.yaml", str(EXAMPLES / "accelerate" / "train.py"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "error: accelerate set up DEEPSPEED with 1 process(es)" in out, out[-4000:]
+    assert "agreement" not in proc.stdout
