@@ -150,6 +150,7 @@ class DeepSpeedBlock(BlockBase):
         if self.options.sync_grads == "last":
             self._optimizer._coalesce_grad_reduction = True
         self._release = release
+        self.model.step = _step_inside_block
         self._hooks.append(self._root.register_forward_hook(self._hook_outputs))
         for module in self._root.modules():
             if "pre_bwd_fn" in module.__dict__:
@@ -160,6 +161,7 @@ class DeepSpeedBlock(BlockBase):
             handle.remove()
         self._hooks.clear()
         self._coordinator.__dict__.pop(_RELEASE, None)
+        self.model.__dict__.pop("step", None)
         if self._saved_coalesce is not None:
             self._optimizer._coalesce_grad_reduction = self._saved_coalesce
         self._release_model()
@@ -284,6 +286,15 @@ class DeepSpeedBlock(BlockBase):
                 if param.requires_grad and param.grad is not None:
                     opt.reduce_ready_partitions_and_remove_grads(param)
         opt.independent_gradient_partition_epilogue()
+
+
+def _step_inside_block(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "engine.step() was called inside no_reshard_between_backwards: the block still "
+        "holds parameters and gradients for later passes. Call engine.step() after the "
+        "block (with accelerate, the last pass must not go through accelerator.backward, "
+        "which steps the engine; use engine.backward)."
+    )
 
 
 def _keep_gathered(param: Any, free_data: bool = True) -> None:

@@ -336,8 +336,8 @@ def without_block_second_pass_fails() -> None:
 
 
 @registry.case()
-def stages_below_3_are_rejected() -> None:
-    for stage in (1, 2):
+def stages_0_to_2_are_rejected() -> None:
+    for stage in (0, 1, 2):
         engine, _ = make_engine(ds_config(stage=stage))
         try:
             no_reshard_between_backwards(engine).__enter__()
@@ -420,4 +420,20 @@ def nested_block_is_rejected() -> None:
             assert "already active" in str(exc), exc
         else:
             raise AssertionError("a nested block was accepted")
+    assert_all_released(engine)
+
+
+@registry.case()
+def step_inside_block_is_rejected() -> None:
+    engine, _ = make_engine(ds_config())
+    try:
+        with no_reshard_between_backwards(engine):
+            out = engine(tokens(0)).logits
+            engine.backward(losses(out, 1)[0])
+            engine.step()
+    except RuntimeError as exc:
+        assert "Call engine.step() after the" in str(exc), exc
+    else:
+        raise AssertionError("engine.step() inside the block was accepted")
+    assert "step" not in engine.__dict__
     assert_all_released(engine)

@@ -48,3 +48,24 @@ def test_accelerate_zero3_refuses_cpu_without_shim():
     assert proc.returncode != 0, out[-4000:]
     assert "error: accelerate set up DEEPSPEED with 1 process(es)" in out, out[-4000:]
     assert "agreement" not in proc.stdout
+
+
+def test_report_zero3_rows(tmp_path):
+    """The report's deepspeed backend: memory and collectives per mode; plain DeepSpeed fails."""
+    from fsdp_retain.report import ReportConfig, run_report
+
+    cfg = ReportConfig(backends=("deepspeed",), size="tiny", warmup=1, steps=3,
+                       out=str(tmp_path), timeout=600, command="tests/test_deepspeed.py")
+    rows = {r["label"]: r for r in run_report(cfg)["rows"]}
+    assert "size of tensor a (0)" in rows["naive"]["error"], rows["naive"]
+    for label in ("two_forward", "keep:every", "keep:last", "probe:every", "regather:every"):
+        assert rows[label]["ok"], rows[label]
+        assert rows[label]["peak_bytes"] > 0, rows[label]
+    ok = [label for label in rows if label != "naive"]
+    gathers = {label: rows[label]["all_gathers_per_step"] for label in ok}
+    reduces = {label: rows[label]["reduce_scatters_per_step"] for label in ok}
+    # ZeRO-3 prefetches the whole (tiny) model in one coalesced all-gather per forward.
+    assert gathers["two_forward"] == 2 * gathers["keep:every"] > 0, gathers
+    assert gathers["regather:every"] > gathers["two_forward"], gathers
+    assert reduces["keep:every"] == 2 * reduces["keep:last"] == reduces["two_forward"], reduces
+    assert reduces["probe:every"] == reduces["keep:last"], reduces
