@@ -28,6 +28,11 @@ and the parameter coordinator):
   ``engine.coalesce_grad_reduction()`` sets) keeps the unsharded gradients
   local until the last pass reduces them, or the block exit does.
 
+- Probe passes (see [Note: probe passes] in ``_common.py``): every module
+  ZeRO-3 put hooks on is a unit, its inputs are the probe's targets; no
+  ``AccumulateGrad`` runs, so no reduce hook fires, and the pass skips the
+  engine prologue and the partition bookkeeping above.
+
 Pass boundaries: a forward hook on the engine's module puts a tensor hook on
 its outputs; the first one to fire in a graph task starts a pass and queues
 the pass-end callback.

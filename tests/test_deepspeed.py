@@ -1,4 +1,6 @@
-"""DeepSpeed ZeRO-3 backend, CPU/gloo, world size 2, one launch.
+"""DeepSpeed ZeRO-3 backend, CPU/gloo, world size 2: the cases of
+``tests/cases_deepspeed.py`` in one launch, then the accelerate example with
+``zero3.yaml`` and the report's ``deepspeed`` rows.
 
 Skipped when deepspeed is not installed (it is an optional extra:
 ``pip install fsdp-retain[deepspeed]``); CI runs it in its own venv.
