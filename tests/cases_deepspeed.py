@@ -437,3 +437,35 @@ def step_inside_block_is_rejected() -> None:
         raise AssertionError("engine.step() inside the block was accepted")
     assert "step" not in engine.__dict__
     assert_all_released(engine)
+
+
+@registry.case()
+def without_block_resident_parameters_are_wrong() -> None:
+    """DeepSpeed's default persistence threshold keeps this model resident. In the
+    first step ZeRO-3 still releases them (it has not traced the model yet), so pass
+    2 fails; once traced, pass 2 runs and the gradients are wrong."""
+    engine, ref = make_engine(ds_config(stage3_param_persistence_threshold=100_000))
+    assert all(p.ds_persist for p in engine.module.parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    two = Scenario(passes=2, use_block=False)
+    try:
+        engine_micro_step(engine, two, 0, 0)
+    except RuntimeError as exc:
+        assert "size of tensor" in str(exc), exc
+    else:
+        raise AssertionError("pass 2 of the first step was expected to fail")
+    engine.optimizer.zero_grad()
+    for step in (1, 2):
+        plain = Scenario(passes=1, use_block=False)
+        expected = reference_step(ref, ref_opt, plain, step)
+        engine_micro_step(engine, plain, step, 0)
+        assert_close(full_grads(engine), expected, f"plain step {step}")
+        engine.step()
+    expected = reference_step(ref, ref_opt, two, 3)
+    try:
+        engine_micro_step(engine, two, 3, 0)
+        assert_close(full_grads(engine), expected, "two passes, traced")
+    except AssertionError as exc:
+        print(f"wrong as expected: {str(exc)[:400]}", flush=True)
+    else:
+        raise AssertionError("2 passes without the block matched the reference")
