@@ -264,6 +264,7 @@ class DeepSpeedBlock(BlockBase):
     def _accumulate_into_partitions(self) -> None:
         """Makes this pass add to the reduced partitions instead of overwriting them."""
         opt = self._optimizer
+        # optimizer.zero_grad() since the last pass clears both: copy, dropping it.
         if opt.micro_step_id == 0 and opt._epilogue_ran_this_backward:
             opt.micro_step_id = 1
             self._bumped_micro_step = True
