@@ -27,7 +27,6 @@ and the parameter coordinator):
 - ``sync_grads="last"``: ``optimizer._coalesce_grad_reduction`` (what
   ``engine.coalesce_grad_reduction()`` sets) keeps the unsharded gradients
   local until the last pass reduces them, or the block exit does.
-
 - Probe passes (see [Note: probe passes] in ``_common.py``): every module
   ZeRO-3 put hooks on is a unit, its inputs are the probe's targets; no
   ``AccumulateGrad`` runs, so no reduce hook fires, and the pass skips the
