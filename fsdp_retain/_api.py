@@ -24,6 +24,13 @@ def fsdp_flavour(module: nn.Module) -> str | None:
 
 
 def _make_block(model: nn.Module, options: RetainOptions):
+    from ._deepspeed import is_deepspeed_engine
+
+    if is_deepspeed_engine(model):
+        _check_not_active(model)
+        from ._deepspeed import DeepSpeedBlock
+
+        return DeepSpeedBlock(model, options)
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"no_reshard_between_backwards expects the FSDP root nn.Module, got "
@@ -51,14 +58,10 @@ def _make_block(model: nn.Module, options: RetainOptions):
         raise ValueError(
             f"no_reshard_between_backwards got a {type(model).__name__} that is not "
             "wrapped by FSDP: wrap it with fully_shard(...) or "
-            "FullyShardedDataParallel(...) and pass the root module."
+            "FullyShardedDataParallel(...) and pass the root module (with DeepSpeed "
+            "ZeRO-3, pass the engine deepspeed.initialize returns)."
         )
-    if getattr(model, ACTIVE_ATTR, False):
-        raise ValueError(
-            "no_reshard_between_backwards is already active on this model: nested "
-            "blocks on one model are not supported. Use a single block around the "
-            "forward and all of its backward passes."
-        )
+    _check_not_active(model)
     if flavour == "fsdp2":
         from ._fsdp2 import FSDP2Block
 
@@ -66,6 +69,15 @@ def _make_block(model: nn.Module, options: RetainOptions):
     from ._fsdp1 import FSDP1Block
 
     return FSDP1Block(model, options)
+
+
+def _check_not_active(model: nn.Module) -> None:
+    if getattr(model, ACTIVE_ATTR, False):
+        raise ValueError(
+            "no_reshard_between_backwards is already active on this model: nested "
+            "blocks on one model are not supported. Use a single block around the "
+            "forward and all of its backward passes."
+        )
 
 
 @contextlib.contextmanager
@@ -87,7 +99,9 @@ def no_reshard_between_backwards(
 
     Args:
         model: the root FSDP module: ``FullyShardedDataParallel(...)`` (FSDP1) or
-            the module ``fully_shard`` was applied to last (FSDP2).
+            the module ``fully_shard`` was applied to last (FSDP2); or the
+            ``DeepSpeedEngine`` that ``deepspeed.initialize`` returns (ZeRO
+            stage 3, see the README).
         keep_unsharded: ``True`` keeps each unit's unsharded parameters from the
             forward through the last backward, so no backward all-gathers
             (memory: the unsharded parameters of all units). ``False`` re-gathers

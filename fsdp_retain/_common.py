@@ -1,7 +1,8 @@
 """What the FSDP1 and FSDP2 backends share: options, pass bookkeeping, errors.
 
-Nothing here touches private torch internals; that lives in the backends
-(``_fsdp1*.py``, ``_fsdp2.py``) and, for autograd's engine entry, ``_pass_start.py``.
+Nothing here touches private torch or DeepSpeed internals; that lives in the
+backends (``_fsdp1*.py``, ``_fsdp2.py``, ``_deepspeed.py``) and, for autograd's
+engine entry, ``_pass_start.py``.
 
 [Note: why a retained graph needs unsharded storage]
 FSDP keeps each parameter sharded and all-gathers the full (unsharded) tensor
@@ -20,8 +21,14 @@ assumes each graph is walked exactly once:
   pre-backward hook re-gathers on every pass, so a retained graph works at the
   price of one all-gather per unit per extra backward, plus a reduce-scatter
   per unit per backward.
+- DeepSpeed ZeRO-3 releases a module's parameters after its backward
+  (``release_sub_module`` frees each parameter no submodule still uses) by
+  pointing ``param.data`` at an empty tensor; the graph saved the parameter
+  itself, so pass 2 sees size 0. Its pre-backward fetch and post-backward
+  release are counted once per forward, and its gradient reduction copies
+  over the previous pass while ``micro_step_id == 0``; see ``_deepspeed.py``.
 
-Both learn that a backward starts, and re-gather a unit, from hooks on unit
+FSDP1 and FSDP2 learn that a backward starts, and re-gather a unit, from hooks on unit
 outputs. A pass that starts inside a unit, or reaches a unit's parameters
 before its outputs (the graph of a ``create_graph=True`` gradient), meets
 freed storage, and under FSDP1 also unprepared gradients and a root that does

@@ -26,6 +26,10 @@ accelerate's unmodified code: ``prepare`` (its ``fully_shard`` or
 scaling), ``accumulate``/``no_sync``, ``gather``. The config files are the
 ones users run on GPUs, unmodified.
 
+With a DeepSpeed config (zero3.yaml) the same state works: ``AcceleratorState``
+turns ``ACCELERATE_USE_DEEPSPEED`` into ``DistributedType.DEEPSPEED``, and
+DeepSpeed adopts the gloo process group (``tests/test_deepspeed.py`` runs it).
+
 That the relabel took effect is checked by the example itself (it refuses to
 run unless ``accelerator.distributed_type`` is FSDP) and by the tests, which
 check the line it prints: FSDP version, device ``cpu``, the wrapped model's
@@ -46,8 +50,14 @@ def _relabel_cpu_state_as_accelerator() -> None:
 
     if torch.cuda.is_available():
         raise SystemExit("accelerate_cpu_fsdp.py is for CPU-only machines; launch the script directly")
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
-        raise SystemExit("accelerate_cpu_fsdp.py: launch with an FSDP config (no ACCELERATE_USE_FSDP)")
+    if not any(
+        os.environ.get(f"ACCELERATE_USE_{kind}", "false").lower() == "true"
+        for kind in ("FSDP", "DEEPSPEED")
+    ):
+        raise SystemExit(
+            "accelerate_cpu_fsdp.py: launch with an FSDP or DeepSpeed config "
+            "(no ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED)"
+        )
     # accelerate's MULTI_CPU device is "cpu:<local rank>", which FSDP1 rejects
     # against its compute device "cpu"; accelerate's own override picks plain "cpu".
     os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"

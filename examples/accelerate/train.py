@@ -4,6 +4,12 @@ Run on GPUs (set num_processes in the config to your GPU count):
 
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate/train.py
     accelerate launch --config_file examples/accelerate/fsdp1.yaml examples/accelerate/train.py
+    accelerate launch --config_file examples/accelerate/zero3.yaml examples/accelerate/train.py
+
+Under DeepSpeed (zero3.yaml) the prepared model is the ``DeepSpeedEngine`` and
+``accelerator.backward`` runs ``engine.step()`` after every call, which must
+not happen between two passes: the passes call ``model.backward`` (the
+engine's) inside the block and ``model.step()`` follows it.
 
 A plain accelerate training loop that backpropagates two losses one after the
 other over one forward (`accelerator.backward(loss, retain_graph=True)`, then
@@ -17,7 +23,7 @@ status 1 unless the parameters agree. That checks the whole chain: the block,
 `accelerator.accumulate` skipping the gradient sync on all but the last
 micro-batch of a window.
 
-accelerate sets up FSDP only on accelerator backends (GPU, XPU, ...). Launched
+accelerate sets up FSDP and DeepSpeed only on accelerator backends (GPU, XPU, ...). Launched
 any other way (no GPU, `use_cpu: true`, `ACCELERATE_USE_CPU=1`, plain `python`)
 it silently falls back to independent processes or to DDP, and under DDP a
 second backward over one forward is never all-reduced: silently wrong
@@ -26,6 +32,7 @@ gradients. This script stops with an error instead.
 
 import argparse
 import copy
+import os
 import sys
 
 import torch
@@ -73,24 +80,60 @@ def aux_loss(out: torch.Tensor) -> torch.Tensor:
 
 # New code #
 def require_fsdp(accelerator: Accelerator) -> None:
-    """Stops unless accelerate really set up FSDP (see the module docstring)."""
-    if accelerator.distributed_type != DistributedType.FSDP:
+    """Stops unless accelerate really set up FSDP or DeepSpeed (see the module docstring)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED) or (
+        accelerator.num_processes != launched  # DeepSpeed on CPU: each rank alone
+    ):
         sys.exit(
             f"error: accelerate set up {accelerator.distributed_type.value} with "
-            f"{accelerator.num_processes} process(es) on {accelerator.device}, not FSDP. "
+            f"{accelerator.num_processes} process(es) on {accelerator.device}, not FSDP "
+            "(or DeepSpeed). "
             "Launch on GPUs with `accelerate launch --config_file "
             "examples/accelerate/fsdp2.yaml examples/accelerate/train.py`. accelerate "
-            "selects FSDP only on accelerator backends; without one (or with use_cpu / "
+            "selects FSDP only on accelerator backends (and DeepSpeed without one leaves "
+            "each rank a 1-process accelerator); without one (or with use_cpu / "
             "ACCELERATE_USE_CPU=1) it falls back to independent processes or DDP, and "
             "under DDP a second backward over one forward silently skips the gradient "
             "all-reduce."
         )
 
 
-def fsdp_units(model: nn.Module) -> int:
+def describe(accelerator: Accelerator, model: nn.Module) -> str:
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        stage = model.zero_optimization_stage()
+        return f"DEEPSPEED (zero_stage {stage}), {accelerator.num_processes} processes " + (
+            f"on {accelerator.device.type}, gradient_accumulation_steps "
+            f"{model.gradient_accumulation_steps()}; model {type(model.module).__name__}"
+        )
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    return sum(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+    units = sum(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+    return (
+        f"FSDP (fsdp_version {accelerator.state.fsdp_plugin.fsdp_version}), "
+        f"{accelerator.num_processes} processes on {accelerator.device.type}, "
+        f"gradient_accumulation_steps {accelerator.gradient_accumulation_steps}; "
+        f"model {type(model).__name__} with {units} FSDP units"
+    )
+
+
+# New code #
+def backward_passes(accelerator: Accelerator, model, losses) -> None:
+    """One backward per loss; accelerate's DeepSpeed backward would step in between."""
+    for i, loss in enumerate(losses):
+        retain = i < len(losses) - 1
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            model.backward(loss, retain_graph=retain)
+        else:
+            accelerator.backward(loss, retain_graph=retain)
+
+
+def full_parameters(accelerator: Accelerator, model) -> dict:
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: safe_get_full_fp32_param(p) for n, p in model.module.named_parameters()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
 def replay_unsharded(model: nn.Module, seen, lr: float, accumulation: int) -> nn.Module:
@@ -131,13 +174,7 @@ def main() -> None:
     )
     loader = DataLoader(dataset, batch_size=args.batch)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    accelerator.print(
-        f"accelerate: {accelerator.distributed_type.value} "
-        f"(fsdp_version {accelerator.state.fsdp_plugin.fsdp_version}), "
-        f"{accelerator.num_processes} processes on {accelerator.device.type}, "
-        f"gradient_accumulation_steps {accelerator.gradient_accumulation_steps}; "
-        f"model {type(model).__name__} with {fsdp_units(model)} FSDP units"
-    )
+    accelerator.print(f"accelerate: {describe(accelerator, model)}")
 
     seen = []  # (global inputs, global targets, optimizer stepped) for the check
     for epoch in range(args.epochs):
@@ -146,10 +183,10 @@ def main() -> None:
                 # New code #
                 with no_reshard_between_backwards(model):
                     out = model(x)
-                    task = task_loss(out, target)
-                    accelerator.backward(task, retain_graph=True)
-                    aux = aux_loss(out)
-                    accelerator.backward(aux)
+                    task, aux = task_loss(out, target), aux_loss(out)
+                    backward_passes(accelerator, model, [task, aux])
+                if accelerator.distributed_type == DistributedType.DEEPSPEED:
+                    model.step()  # an optimizer step at the accumulation boundary
                 optimizer.step()
                 optimizer.zero_grad()
             global_batch = accelerator.gather(x), accelerator.gather(target)
@@ -158,7 +195,7 @@ def main() -> None:
         accelerator.print(f"epoch {epoch}: task loss {losses[0]:.4f}, aux loss {losses[1]:.4f}")
 
     replay_unsharded(reference, seen, args.lr, args.gradient_accumulation_steps)
-    trained = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    trained = full_parameters(accelerator, model)
     expected = reference.state_dict()
     max_diff = max((trained[k].to(v.device) - v).abs().max().item() for k, v in expected.items())
     steps = sum(sync for _, _, sync in seen)

@@ -7,7 +7,7 @@ import os
 import shlex
 import sys
 
-from ._config import BACKENDS, DIM_FLAGS, DTYPES, MIN_TIMED_STEPS, SIZES, ReportConfig
+from ._config import ALL_BACKENDS, BACKENDS, DIM_FLAGS, DTYPES, MIN_TIMED_STEPS, SIZES, ReportConfig
 from ._launch import run_report
 from ._modes import DEFAULT_MODES, mode_labels
 
@@ -29,8 +29,9 @@ def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConf
             "random weights. Writes report.json, report.md and report.png into --out."
         ),
     )
-    parser.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=BACKENDS,
-                        help="FSDP flavours to run, in order (default: fsdp2 fsdp1)")
+    parser.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=ALL_BACKENDS,
+                        help="backends to run, in order (default: fsdp2 fsdp1; deepspeed: "
+                        "ZeRO-3, needs deepspeed installed)")
     parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES),
                         help=" ".join(mode_labels()))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),

@@ -7,7 +7,8 @@ from typing import Any
 
 from ._modes import DEFAULT_MODES, Mode
 
-BACKENDS = ("fsdp2", "fsdp1")
+BACKENDS = ("fsdp2", "fsdp1")  # the default
+ALL_BACKENDS = BACKENDS + ("deepspeed",)  # deepspeed: ZeRO-3, needs deepspeed installed
 MIN_TIMED_STEPS = 10
 
 # Qwen2.5 shapes (published configs); "tiny" and "small" are for CPU runs.
@@ -74,8 +75,11 @@ class ReportConfig:
         self.backends = tuple(self.backends)
         self.modes = tuple(self.modes)
         for backend in self.backends:
-            if backend not in BACKENDS:
-                raise ValueError(f"unknown backend {backend!r}: use fsdp1 and/or fsdp2")
+            if backend not in ALL_BACKENDS:
+                raise ValueError(
+                    f"unknown backend {backend!r}: use fsdp1, fsdp2 and/or deepspeed")
+        if "deepspeed" in self.backends and self.simulate_world_size is not None:
+            raise ValueError("--simulate-world-size runs fsdp1 and fsdp2 only, not deepspeed")
         labels = [Mode.parse(m).label for m in self.modes]
         if "two_forward" not in labels:
             raise ValueError("modes must include two_forward: savings and overheads are against it")

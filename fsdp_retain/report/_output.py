@@ -59,7 +59,14 @@ def _header(cfg: dict, unit: str, size: int) -> list[str]:
         "- One step: one forward (two for `two_forward`), a token log-prob loss backward, a "
         "policy-gradient loss backward (random advantages), SGD step. FSDP units: each decoder "
         "layer plus the root. Library modes pass `backwards=2`.",
-    ]
+    ] + (
+        ["- deepspeed: ZeRO-3 (`stage3_param_persistence_threshold: 0`, one gradient bucket of "
+         "the model's size), SGD as a client optimizer, `engine.step()`. ZeRO-3 gathers per "
+         "module and prefetches the traced order, so after the first step one coalesced "
+         "all-gather fetches a small model per forward. The breakdown does not separate its "
+         "parameters (the peak does count them)."]
+        if "deepspeed" in cfg.get("backends", ()) else []
+    )
 
 
 def _memory_table(rows: list[dict], unit: str, size: int) -> list[str]:

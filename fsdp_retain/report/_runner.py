@@ -98,6 +98,12 @@ class BackendRun:
         self.meta.setdefault("model_class", type(model).__name__)
         self.meta.setdefault("param_count", sum(p.numel() for p in model.parameters()))
         self.meta.setdefault("unsharded_param_bytes", param_bytes(model))
+        if self.backend == "deepspeed":
+            from ._deepspeed import build_engine, gathered_units
+
+            self.model, self.optimizer = build_engine(model, self.cfg.dtype)
+            self.meta.setdefault("fsdp_units", gathered_units(self.model))
+            return
         mesh = self.mesh
         if self.backend == "fsdp2" and mesh is None:
             from torch.distributed.device_mesh import init_device_mesh

@@ -1,0 +1,481 @@
+"""DeepSpeed ZeRO-3 cases, run inside ranks by ``tests/test_deepspeed.py`` (CPU, gloo).
+
+A tiny random Qwen2 (norms, embeddings, untied head) under ZeRO-3 with
+``stage3_param_persistence_threshold: 0``, so that no parameter stays
+resident and a released one fails loudly. The reference is an unsharded copy
+trained with the same SGD-momentum; see ``tests/parity.py`` for seeds.
+
+Collectives are counted by wrapping ``torch.distributed`` before DeepSpeed's
+communication backend binds its functions (``init_distributed`` below).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import functools
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+import deepspeed
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from fsdp_retain import no_reshard_between_backwards
+from tests.harness import Registry
+from tests.parity import LOSSES, rank, world
+
+registry = Registry()
+
+_KINDS = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
+    "all_reduce": "all_reduce",
+}
+COUNTS: collections.Counter = collections.Counter()
+_counting = [False]
+
+
+def _counted(kind: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _counting[0]:
+            COUNTS[kind] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@functools.cache
+def setup() -> None:
+    """Wraps the collectives, then lets DeepSpeed bind them (once per rank)."""
+    for name, kind in _KINDS.items():
+        wrapped = _counted(kind, getattr(dist, name))
+        setattr(dist, name, wrapped)
+        setattr(c10d, name, wrapped)
+    deepspeed.init_distributed(dist_backend="gloo")
+
+VOCAB, SEQ, BATCH = 128, 8, 2
+TOL = dict(rtol=1e-4, atol=1e-5)
+# bf16 gradients are reduced and accumulated in bf16: compare each tensor's
+# largest error with its largest value, plus a floor from the largest value of
+# all tensors for the near-zero ones (attention key biases). A lost or doubled
+# pass is off by ~100%; the reference runs in fp32, so bf16 forward rounding
+# adds up over 3 steps (a few percent on the norm weights).
+BF16_SCALE_TOL = 5e-2
+BF16_FLOOR_TOL = 2e-3
+
+
+@contextlib.contextmanager
+def counting():
+    COUNTS.clear()
+    _counting[0] = True
+    try:
+        yield COUNTS
+    finally:
+        _counting[0] = False
+
+
+def make_model() -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(42)
+    return Qwen2ForCausalLM(config)
+
+
+def ds_config(stage: int = 3, gas: int = 1, bf16: bool = False, **zero) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            # Deterministic collectives: no prefetch, free right after use.
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_max_reuse_distance": 0,
+            **zero,
+        },
+        "bf16": {"enabled": bf16},
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
+def make_engine(config: dict):
+    setup()
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine, ref
+
+
+def tokens(step: int, micro: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(42 + rank() + 1 + 1000 * step + 100 * micro)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+
+
+def losses(logits: torch.Tensor, passes: int) -> list:
+    logits = logits.float()
+    return [LOSSES[i % len(LOSSES)](logits) for i in range(passes)]
+
+
+def full_grads(engine) -> dict:
+    grads = {}
+    for name, param in engine.module.named_parameters():
+        grad = safe_get_full_grad(param)
+        grads[name] = None if grad is None else grad.detach().float().clone()
+    return grads
+
+
+def full_params(engine) -> dict:
+    return {
+        n: safe_get_full_fp32_param(p).detach().clone()
+        for n, p in engine.module.named_parameters()
+    }
+
+
+def assert_close(actual: dict, expected: dict, what: str, bf16: bool = False) -> None:
+    assert set(actual) == set(expected), f"{what}: names differ"
+    floor = BF16_FLOOR_TOL * max(v.abs().max().item() for v in expected.values())
+    for name, value in expected.items():
+        assert actual[name] is not None, f"{what}: {name} has no gradient"
+        if bf16:
+            error = (actual[name] - value).abs().max().item()
+            scale = value.abs().max().item()
+            assert error <= BF16_SCALE_TOL * scale + floor, f"{what}: {name}: error {error}, scale {scale}"
+        else:
+            torch.testing.assert_close(
+                actual[name], value, **TOL, msg=lambda m, n=name: f"{what}: {n}: {m}"
+            )
+
+
+@dataclasses.dataclass
+class Scenario:
+    passes: int = 2
+    keep: bool = True
+    sync: str = "every"
+    backwards: bool = False
+    engine_backward: bool = True
+    gas: int = 1
+    bf16: bool = False
+    steps: int = 3
+    use_block: bool = True
+    probe_first: bool = False  # pass 1 is block.backward(..., param_grads=False)
+    persist: bool = False  # DeepSpeed's default persistence threshold: all resident
+    check: bool = False  # check_saved_tensors
+    zero_between: bool = False  # engine.optimizer.zero_grad() before each later pass
+
+    def options(self) -> dict:
+        return dict(
+            keep_unsharded=self.keep,
+            sync_grads=self.sync,
+            backwards=self.passes if self.backwards else None,
+            check_saved_tensors=self.check,
+        )
+
+
+def reference_step(ref, opt, scenario: Scenario, step: int) -> dict:
+    for micro in range(scenario.gas):
+        out = ref(tokens(step, micro)).logits
+        for i, loss in enumerate(losses(out, scenario.passes)):
+            if scenario.probe_first and i == 0:
+                continue
+            if scenario.zero_between and i > 0:
+                opt.zero_grad()
+            (loss / scenario.gas).backward(retain_graph=i < scenario.passes - 1)
+    grads = {}
+    for name, param in ref.named_parameters():
+        grad = param.grad.detach().clone()
+        dist.all_reduce(grad)
+        param.grad = grad / world()
+        grads[name] = param.grad.clone()
+    opt.step()
+    opt.zero_grad()
+    return grads
+
+
+def engine_micro_step(engine, scenario: Scenario, step: int, micro: int) -> None:
+    block = (
+        no_reshard_between_backwards(engine, **scenario.options())
+        if scenario.use_block
+        else contextlib.nullcontext()
+    )
+    with block as b:
+        out = engine(tokens(step, micro)).logits
+        for i, loss in enumerate(losses(out, scenario.passes)):
+            retain = i < scenario.passes - 1
+            if scenario.zero_between and i > 0:
+                engine.optimizer.zero_grad()
+            if scenario.probe_first and i == 0:
+                b.backward(loss, param_grads=False, retain_graph=True)
+            elif scenario.engine_backward:
+                engine.backward(loss, retain_graph=retain)
+            else:
+                loss.backward(retain_graph=retain)
+
+
+def expected_counts(engine, scenario: Scenario) -> dict:
+    """Collectives per micro-batch, from ZeRO-3's rules with prefetch off.
+
+    Forward: one all-gather per module that owns parameters (its parameters
+    coalesced). ``keep_unsharded=True``: no all-gather in any backward.
+    Otherwise every pass re-gathers every such module, except that a probe
+    pass never walks the embedding (its input, token ids, needs no
+    gradient; see [Note: probe passes]). Gradients: one
+    reduce-scatter per reduction round (the default bucket holds every
+    gradient of this model): per pass with ``"every"``, once per micro-batch
+    with ``"last"``.
+    """
+    modules = [
+        m for m in engine.module.modules() if any(True for _ in m.parameters(recurse=False))
+    ]
+    real_passes = scenario.passes - int(scenario.probe_first)
+    gathers = len(modules)
+    if not scenario.keep:
+        gathers += len(modules) * scenario.passes - int(scenario.probe_first)
+    rounds = real_passes if scenario.sync == "every" else 1
+    return {"all_gather": gathers, "reduce_scatter": rounds}
+
+
+def run_parity(scenario: Scenario, check_counts: bool = True) -> None:
+    zero = dict(stage3_param_persistence_threshold=100_000) if scenario.persist else {}
+    engine, ref = make_engine(ds_config(gas=scenario.gas, bf16=scenario.bf16, **zero))
+    check_counts = check_counts and not scenario.persist
+    persistent = [p.ds_persist for p in engine.module.parameters()]
+    assert all(persistent) if scenario.persist else not any(persistent), persistent
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    dtype = next(engine.module.parameters()).dtype
+    assert dtype == (torch.bfloat16 if scenario.bf16 else torch.float32), dtype
+    for step in range(scenario.steps):
+        expected = reference_step(ref, ref_opt, scenario, step)
+        for micro in range(scenario.gas):
+            with counting() as counts:
+                engine_micro_step(engine, scenario, step, micro)
+            counts = dict(counts)
+            if check_counts:
+                want = expected_counts(engine, scenario)
+                got = {k: counts.get(k, 0) for k in want}
+                assert got == want, f"step {step} micro {micro}: collectives {counts}, expected {want}"
+            if micro == scenario.gas - 1:
+                assert_close(full_grads(engine), expected, f"step {step}: grads", scenario.bf16)
+            engine.step()
+        ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+        assert_close(full_params(engine), ref_params, f"step {step}: params", scenario.bf16)
+        assert_all_released(engine)
+
+
+def assert_all_released(engine) -> None:
+    for name, param in engine.module.named_parameters():
+        if param.ds_persist:
+            continue
+        assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE, f"{name}: {param.ds_summary()}"
+        assert param.data.numel() == 0, f"{name} still owns {param.data.numel()} elements"
+
+
+def _parity_case(**fields):
+    return lambda: run_parity(Scenario(**fields))
+
+
+def _name(fields: dict) -> str:
+    return "parity_" + "_".join(f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in fields.items())
+
+
+for passes, keep, sync, backwards, engine_backward in itertools.product(
+    (2, 3), (True, False), ("every", "last"), (False, True), (True, False)
+):
+    fields = dict(
+        passes=passes, keep=keep, sync=sync, backwards=backwards, engine_backward=engine_backward
+    )
+    registry.add(_name(fields), _parity_case(**fields))
+
+for keep, sync in itertools.product((True, False), ("every", "last")):
+    extras = (
+        dict(gas=2),
+        dict(bf16=True),
+        dict(probe_first=True, passes=3),
+        dict(persist=True),
+        dict(check=True),
+        dict(zero_between=True, passes=3),
+    )
+    for extra in extras:
+        if extra.get("zero_between") and sync == "last":
+            # DeepSpeed 0.19.8's zero_grad() calls record_stream on the held .grad,
+            # which fails on CPU ("unknown parameter type").
+            continue
+        fields = dict(keep=keep, sync=sync, **extra)
+        registry.add(_name(fields), _parity_case(**fields))
+
+
+@registry.case()
+def plain_one_pass_matches_reference() -> None:
+    """Baseline: DeepSpeed alone, one backward per forward, matches the reference."""
+    run_parity(Scenario(passes=1, use_block=False), check_counts=False)
+
+
+@registry.case()
+def without_block_second_pass_fails() -> None:
+    """The bug: DeepSpeed alone releases every parameter after pass 1."""
+    engine, _ = make_engine(ds_config())
+    out = engine(tokens(0)).logits
+    first, second = losses(out, 2)
+    engine.backward(first, retain_graph=True)
+    try:
+        engine.backward(second)
+    except RuntimeError as exc:
+        assert "size of tensor" in str(exc), exc
+    else:
+        raise AssertionError("pass 2 without the block was expected to fail")
+
+
+@registry.case()
+def stages_0_to_2_are_rejected() -> None:
+    for stage in (0, 1, 2):
+        engine, _ = make_engine(ds_config(stage=stage))
+        try:
+            no_reshard_between_backwards(engine).__enter__()
+        except ValueError as exc:
+            assert f"got stage {stage}" in str(exc), exc
+        else:
+            raise AssertionError(f"stage {stage} was accepted")
+
+
+def snapshot(engine) -> dict:
+    """What the block may touch: hooks, coordinator overrides, optimizer flags."""
+    opt = engine.optimizer
+    coordinator = opt.parameter_offload.get_param_coordinator()
+    hooks = [
+        (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
+        for m in engine.module.modules()
+    ]
+    return dict(
+        hooks=hooks,
+        coordinator=sorted(coordinator.__dict__),
+        coalesce=opt._coalesce_grad_reduction,
+        micro_step=opt.micro_step_id,
+        depth=opt._backward_hook_state.backward_active_depth,
+        grads=[p.grad is None for p in engine.module.parameters()],
+    )
+
+
+def _state_case(keep: bool, sync: str, fail: bool):
+    def run() -> None:
+        engine, ref = make_engine(ds_config())
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+        plain = Scenario(passes=1, use_block=False)
+        before = snapshot(engine)
+        options = dict(keep_unsharded=keep, sync_grads=sync)
+        try:
+            with no_reshard_between_backwards(engine, **options):
+                out = engine(tokens(0)).logits
+                first, second = losses(out, 2)
+                engine.backward(first, retain_graph=True)
+                if fail:
+                    raise KeyError("boom")
+                engine.backward(second)
+        except KeyError:
+            assert fail
+            # The reduced pass stays in ZeRO-3's partitions; drop it as
+            # DeepSpeed would after a failed micro-batch.
+            engine.optimizer.zero_grad()
+        after = snapshot(engine)
+        if not fail:
+            assert after["micro_step"] == before["micro_step"], after
+        after["micro_step"] = before["micro_step"]
+        assert after == before, f"{before} -> {after}"
+        assert_all_released(engine)
+        if not fail:
+            engine.step()
+            reference_step(ref, ref_opt, Scenario(passes=2), 0)
+        for step in range(1, 3):
+            expected = reference_step(ref, ref_opt, plain, step)
+            engine_micro_step(engine, plain, step, 0)
+            assert_close(full_grads(engine), expected, f"plain step {step}: grads")
+            engine.step()
+            ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+            assert_close(full_params(engine), ref_params, f"plain step {step}: params")
+
+    return run
+
+
+for keep, sync, fail in itertools.product((True, False), ("every", "last"), (False, True)):
+    name = f"state_{'keep' if keep else 'regather'}_{sync}_{'exception' if fail else 'clean'}"
+    registry.add(name, _state_case(keep, sync, fail))
+
+
+@registry.case()
+def nested_block_is_rejected() -> None:
+    engine, _ = make_engine(ds_config())
+    with no_reshard_between_backwards(engine):
+        try:
+            no_reshard_between_backwards(engine).__enter__()
+        except ValueError as exc:
+            assert "already active" in str(exc), exc
+        else:
+            raise AssertionError("a nested block was accepted")
+    assert_all_released(engine)
+
+
+@registry.case()
+def step_inside_block_is_rejected() -> None:
+    engine, _ = make_engine(ds_config())
+    try:
+        with no_reshard_between_backwards(engine):
+            out = engine(tokens(0)).logits
+            engine.backward(losses(out, 1)[0])
+            engine.step()
+    except RuntimeError as exc:
+        assert "Call engine.step() after the" in str(exc), exc
+    else:
+        raise AssertionError("engine.step() inside the block was accepted")
+    assert "step" not in engine.__dict__
+    assert_all_released(engine)
+
+
+@registry.case()
+def without_block_resident_parameters_are_wrong() -> None:
+    """DeepSpeed's default persistence threshold keeps this model resident. In the
+    first step ZeRO-3 still releases them (it has not traced the model yet), so pass
+    2 fails; once traced, pass 2 runs and the gradients are wrong."""
+    engine, ref = make_engine(ds_config(stage3_param_persistence_threshold=100_000))
+    assert all(p.ds_persist for p in engine.module.parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    two = Scenario(passes=2, use_block=False)
+    try:
+        engine_micro_step(engine, two, 0, 0)
+    except RuntimeError as exc:
+        assert "size of tensor" in str(exc), exc
+    else:
+        raise AssertionError("pass 2 of the first step was expected to fail")
+    engine.optimizer.zero_grad()
+    for step in (1, 2):
+        plain = Scenario(passes=1, use_block=False)
+        expected = reference_step(ref, ref_opt, plain, step)
+        engine_micro_step(engine, plain, step, 0)
+        assert_close(full_grads(engine), expected, f"plain step {step}")
+        engine.step()
+    expected = reference_step(ref, ref_opt, two, 3)
+    try:
+        engine_micro_step(engine, two, 3, 0)
+        assert_close(full_grads(engine), expected, "two passes, traced")
+    except AssertionError as exc:
+        print(f"wrong as expected: {str(exc)[:400]}", flush=True)
+    else:
+        raise AssertionError("2 passes without the block matched the reference")

@@ -1,0 +1,73 @@
+"""DeepSpeed ZeRO-3 backend, CPU/gloo, world size 2: the cases of
+``tests/cases_deepspeed.py`` in one launch, then the accelerate example with
+``zero3.yaml`` and the report's ``deepspeed`` rows.
+
+Skipped when deepspeed is not installed (it is an optional extra:
+``pip install fsdp-retain[deepspeed]``); CI runs it in its own venv.
+"""
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed not installed (pip install fsdp-retain[deepspeed])")
+pytest.importorskip("transformers", reason="the DeepSpeed cases use a tiny transformers Qwen2")
+
+from tests import cases_deepspeed  # noqa: E402
+from tests.harness import check_case, launch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch("tests.cases_deepspeed", world_size=2, timeout=900)
+
+
+@pytest.mark.parametrize("name", cases_deepspeed.registry.names(world_size=2))
+def test_deepspeed(results, name):
+    check_case(results, name)
+
+
+def test_accelerate_zero3_train():
+    """accelerate launch zero3.yaml (2 CPU ranks via the shim), gradient accumulation 2."""
+    pytest.importorskip("accelerate", reason="the accelerate example needs accelerate")
+    from tests.test_examples import CPU_FSDP, EXAMPLES, _accelerate, _check_ok, _number
+
+    proc = _accelerate("zero3.yaml", CPU_FSDP, str(EXAMPLES / "accelerate" / "train.py"))
+    out = _check_ok(proc)
+    assert (
+        "accelerate: DEEPSPEED (zero_stage 3), 2 processes on cpu, "
+        "gradient_accumulation_steps 2; model Net"
+    ) in out, out
+    assert _number(r"replay after (\d+) optimizer steps", out) == 8
+    assert _number(r"optimizer steps: (\S+)", out) <= 1e-4
+
+
+def test_accelerate_zero3_refuses_cpu_without_shim():
+    """On CPU accelerate gives every DeepSpeed rank a world of its own; the example refuses."""
+    pytest.importorskip("accelerate", reason="the accelerate example needs accelerate")
+    from tests.test_examples import EXAMPLES, _accelerate
+
+    proc = _accelerate("zero3.yaml", str(EXAMPLES / "accelerate" / "train.py"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "error: accelerate set up DEEPSPEED with 1 process(es)" in out, out[-4000:]
+    assert "agreement" not in proc.stdout
+
+
+def test_report_zero3_rows(tmp_path):
+    """The report's deepspeed backend: memory and collectives per mode; plain DeepSpeed fails."""
+    from fsdp_retain.report import ReportConfig, run_report
+
+    cfg = ReportConfig(backends=("deepspeed",), size="tiny", warmup=1, steps=3,
+                       out=str(tmp_path), timeout=600, command="tests/test_deepspeed.py")
+    rows = {r["label"]: r for r in run_report(cfg)["rows"]}
+    assert "size of tensor a (0)" in rows["naive"]["error"], rows["naive"]
+    for label in ("two_forward", "keep:every", "keep:last", "probe:every", "regather:every"):
+        assert rows[label]["ok"], rows[label]
+        assert rows[label]["peak_bytes"] > 0, rows[label]
+    ok = [label for label in rows if label != "naive"]
+    gathers = {label: rows[label]["all_gathers_per_step"] for label in ok}
+    reduces = {label: rows[label]["reduce_scatters_per_step"] for label in ok}
+    # ZeRO-3 prefetches the whole (tiny) model in one coalesced all-gather per forward.
+    assert gathers["two_forward"] == 2 * gathers["keep:every"] > 0, gathers
+    assert gathers["regather:every"] > gathers["two_forward"], gathers
+    assert reduces["keep:every"] == 2 * reduces["keep:last"] == reduces["two_forward"], reduces
+    assert reduces["probe:every"] == reduces["keep:last"], reduces
