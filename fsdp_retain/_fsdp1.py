@@ -129,9 +129,8 @@ def _queue_callback(fn) -> None:
 
 
 def _graph_task_id() -> int:
-    """The running backward's id, -1 outside backward (as FSDP2 asks)."""
-    get_id = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if get_id is None else get_id()
+    """The running backward's id, -1 outside backward (``_pass_start`` checked it exists)."""
+    return torch._C._current_graph_task_id()
 
 
 def _acc_grad_node(flat_param: torch.Tensor) -> Any:
@@ -385,8 +384,6 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         order = require_attr(self.model, "_exec_order_data", _FLAVOUR)
         self._forward_order = list(order.handles_post_forward_order)
         self._forward_indices = {h: h._post_forward_index for _, h in self._handles}
-        for t in grad_tensors(output):
-            self._hooks.append(t.register_hook(self._pass_start_hook))
 
     def _guard_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -446,10 +443,6 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         if count[1] >= count[2]:
             del self._counts[handle]
             self._fsdp.post_backward_hook(state, handle, handle.flat_param)
-
-    def _pass_start_hook(self, grad: torch.Tensor) -> None:
-        if not self._pass_open:
-            self._on_pass_start()
 
     # Called by _pass_start around every backward while installed #
     def before_backward(self) -> None:
@@ -572,7 +565,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
 
     # Probe passes #
     def _in_backward(self) -> bool:
-        return _graph_task_id() != -1
+        return _pass_start.in_backward()
 
     def _hook_unit_inputs(self, state: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
         """Hooks the unit's inputs: their gradient is complete once the unit's

@@ -285,8 +285,7 @@ class FSDP2Block(BlockBase):
         self._probe_flags.clear()
 
     def _in_backward(self) -> bool:
-        get_id = getattr(torch._C, "_current_graph_task_id", None)
-        return get_id is not None and get_id() != -1
+        return _pass_start.in_backward()
 
     # Pass boundaries #
     def _record_inputs(self, state: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
