@@ -236,6 +236,7 @@ class BlockBase:
         if param_grads:
             loss.backward(retain_graph=retain_graph)
             return
+        _refuse_reentrant_checkpoint(loss)
         edges = list(self._unit_inputs.values())
         if not edges:
             raise ValueError(
@@ -342,6 +343,33 @@ class BlockBase:
         self._installed = False
         if getattr(self.model, ACTIVE_ATTR, False):
             delattr(self.model, ACTIVE_ATTR)
+
+# The node of torch.utils.checkpoint(..., use_reentrant=True), which refuses
+# torch.autograd.grad (it runs its own nested backward without `inputs`).
+_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+
+
+def _refuse_reentrant_checkpoint(loss: torch.Tensor) -> None:
+    """Raises before a probe pass that would reach a reentrant checkpoint."""
+    root = loss.grad_fn
+    stack, seen = ([root] if root is not None else []), set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == _REENTRANT_CHECKPOINT:
+            raise ValueError(
+                "block.backward(..., param_grads=False) reached a reentrant activation "
+                "checkpoint (torch.utils.checkpoint with use_reentrant=True), which "
+                "cannot run a probe pass: it refuses torch.autograd.grad. Use "
+                "non-reentrant checkpointing (checkpoint(..., use_reentrant=False); in "
+                "HF transformers model.gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False})), or run this "
+                "pass with param_grads=True. Nothing was changed."
+            )
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+
 
 def grad_tensors(obj: Any, found: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The tensors that require grad in a forward's inputs or outputs, looking

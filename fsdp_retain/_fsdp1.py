@@ -85,6 +85,13 @@ from ._common import (
     require_attr,
 )
 from ._fsdp1_grads import GradBookkeeping
+from ._fsdp1_guards import (
+    FORWARD_OUTSIDE,
+    NOT_REDUCED,
+    PostBackwardCheck,
+    check_sharded_grads,
+    unit_names,
+)
 from ._fsdp1_inspect import HOOK_STATE as _HOOK_STATE
 
 _FLAVOUR = "FSDP1"
@@ -247,6 +254,10 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         self._output_nodes: dict[Any, list[Any]] = {}
         self._inner_nodes: dict[Any, list[Any]] = {}
         self._watching = False
+        # See [Note: what the FSDP1 guards check] in _fsdp1_guards.py.
+        self._post_backward = PostBackwardCheck()
+        self._outside: dict[Any, Any] = {}  # handle -> node of a forward before the block
+        self._names: dict[Any, str] = {}
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -270,6 +281,20 @@ class FSDP1Block(GradBookkeeping, BlockBase):
             (s, require_attr(s, "_sync_gradients", _FLAVOUR)) for s in self._states
         ]
         self._state_of = {handle: state for state, handle in self._handles}
+        units = {id(state) for state in self._state_of.values()}
+        self._names = {  # for errors
+            module._handle: name.replace("_fsdp_wrapped_module.", "") or "<root>"
+            for name, module in self.model.named_modules()
+            if id(module) in units
+        }
+        # A forward with grad that ran before the block and whose backward has
+        # not run: FSDP1 hooked its AccumulateGrad node and still holds it.
+        self._outside = {
+            h: getattr(h.flat_param, _HOOK_STATE)[0]
+            for _, h in self._handles
+            if hasattr(h.flat_param, _HOOK_STATE)
+        }
+        self._hooks.extend(self._post_backward.install(h for _, h in self._handles))
         self._installed = True
         _pass_start.watch(self)
         self._watching = True
@@ -294,6 +319,8 @@ class FSDP1Block(GradBookkeeping, BlockBase):
                 # returns (other module hooks may wrap the inner module's).
                 record = functools.partial(self._record_nodes, self._output_nodes, state._handle)
                 self._hooks.append(state.register_forward_hook(record))
+                capture = functools.partial(self._capture_fsdp_node, state._handle)
+                self._hooks.append(state.register_forward_hook(capture))
                 record = functools.partial(self._record_nodes, self._inner_nodes, state._handle)
                 for module in _own_modules(inner):
                     self._hooks.append(module.register_forward_hook(record))
@@ -415,6 +442,16 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         if len(nodes) > 1:
             self._count_post_backward(state, handle)
 
+    def _capture_fsdp_node(self, handle: Any, module: nn.Module, args: Any, output: Any) -> None:
+        """The node FSDP1 hooked in this unit's forward, when the unit's inner forward
+        ran without grad (reentrant activation checkpointing inside the unit: the
+        graph that accumulates into it is only built in each pass's recompute)."""
+        if not torch.is_grad_enabled() or _graph_task_id() != -1 or self._acc_grads.get(handle):
+            return
+        hook_state = getattr(handle.flat_param, _HOOK_STATE, None)
+        if hook_state is not None:
+            self._acc_grads[handle] = [hook_state[0]]
+
     def _count_post_backward(self, state: Any, handle: Any) -> None:
         """Hooks a later forward's node; from now on every node of ``handle``
         runs ``_counted_post_backward`` instead of FSDP's hook."""
@@ -452,6 +489,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         self._had_sentinels = bool(self._sentinels)
         self._check_sentinels()  # a zero_grad() since the last pass
         self._snapshot_grads()
+        self._post_backward.begin_pass()
 
     @_loud
     def on_backward_start(self) -> None:
@@ -459,6 +497,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         if self._exited or self._pass_open:
             return
         run = _pass_start.will_run
+        self._check_not_outside(run)
         uses = {
             handle
             for _, handle in self._handles
@@ -485,6 +524,21 @@ class FSDP1Block(GradBookkeeping, BlockBase):
             for state, handle in self._handles:
                 if handle not in self._accumulating:
                     state._sync_gradients = False
+
+    def _check_not_outside(self, run) -> None:
+        """Refuses a pass over a forward that ran before the block, before any node runs."""
+        outside = [
+            h
+            for h, node in self._outside.items()
+            if run(node)
+            and not any(map(run, self._output_nodes.get(h, ())))
+            and not any(map(run, self._inner_nodes.get(h, ())))
+        ]
+        if outside:
+            raise RuntimeError(FORWARD_OUTSIDE.format(units=self._unit_names(outside)))
+
+    def _unit_names(self, handles) -> str:
+        return unit_names(handles, lambda h: self._names.get(h, "?"))
 
     def _runs_early(self, handle: Any) -> bool:
         """Whether the block must do ``handle``'s pre-backward at the pass start."""
@@ -517,6 +571,9 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         self._pass_open = True
         model = self.model
         if not model._post_backward_callback_queued:
+            # Checked before FSDP finalizes the pass (when FSDP's root
+            # pre-backward hook queued its callback first, only after).
+            _queue_callback(self._check_post_backward)
             # What FSDP's root pre-backward hook does first, for a pass that
             # does not start at (or never reaches) the root's outputs.
             self._fsdp.register_post_backward_final_callback(model, model)
@@ -530,9 +587,23 @@ class FSDP1Block(GradBookkeeping, BlockBase):
                 self._restore_sync()
 
     @_loud
+    def _check_post_backward(self) -> None:
+        unreduced = self._post_backward.unreduced()
+        if unreduced:
+            raise RuntimeError(NOT_REDUCED.format(units=self._unit_names(unreduced)))
+
+    @_loud
     def _on_pass_end(self) -> None:
         self._pass_open = False
         self.tracker.end()
+        # Which units this pass reduced: decided before the pass end restores
+        # _sync_gradients (the last pass of sync_grads="last" reduces).
+        accumulated = self._post_backward.accumulated
+        reduced = [h for h in accumulated if self._state_of[h]._sync_gradients]
+        # FSDP's finalize cleared _post_backward_called only where it reduced.
+        unreduced = [h for h in self._post_backward.unreduced() if h not in reduced]
+        if unreduced:
+            raise RuntimeError(NOT_REDUCED.format(units=self._unit_names(unreduced)))
         self._end_probe()
         if self.options.sync_grads == "last" and self._freeing:
             self._restore_sync()
@@ -562,6 +633,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         for _, handle in self._handles:
             handle._post_forward_index = self._forward_indices.get(handle)
         self._record_sentinels()
+        check_sharded_grads(reduced, lambda h: self._names.get(h, "?"))
 
     # Probe passes #
     def _in_backward(self) -> bool:

@@ -16,7 +16,8 @@ gradients FSDP1 holds, as a mixin of ``FSDP1Block``.
 
 The mixin uses the block's ``_handles``, ``_states``, ``_fsdp``, ``_phase``,
 ``options``, ``model``, ``probing``, ``_freeing``, ``_saved_sync``,
-``_state_of``, ``_sentinels``, ``_grads_before`` and ``_accumulating``.
+``_state_of``, ``_sentinels``, ``_grads_before``, ``_accumulating`` and
+``_post_backward`` (which units a pass accumulated into, as seen).
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ class GradBookkeeping:
         pass accumulated nothing into (its final callback would drop them)."""
         before, self._grads_before = self._grads_before, {}
         for handle, (grad, saved) in before.items():
-            if handle in self._accumulating and not self.probing:
-                continue
+            if handle in self._post_backward.accumulated and not self.probing:
+                continue  # accumulated (also in a reentrant-checkpointing recompute)
             flat_param = handle.flat_param
             if handle._use_orig_params and not handle.uses_sharded_strategy:
                 # NO_SHARD: the catch-all reshard takes the unit for resharded

@@ -8,6 +8,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 printf 'torch==2.13.0\n' > "$work/constraints.txt"
 python3 -m venv "$work/venv"
-DS_BUILD_OPS=0 "$work/venv/bin/pip" install -q -c "$work/constraints.txt" \
+# PIP_CONSTRAINT=/dev/null: a machine-wide pip constraint gives way to this venv's own.
+PIP_CONSTRAINT=/dev/null DS_BUILD_OPS=0 "$work/venv/bin/pip" install -q -c "$work/constraints.txt" \
     torch==2.13.0 -e '.[deepspeed,test]' transformers accelerate
 "$work/venv/bin/python" -m pytest -q tests/test_deepspeed.py

@@ -11,6 +11,9 @@
 # it). Registry builds of torch carry CUDA but run on CPU; each venv is ~5 GB.
 # MATRIX_RECORD=0 (CI) leaves docs/compat.* alone; MATRIX_VENV_DIR (default $TMPDIR or
 # /tmp) is where the venvs go.
+# A machine-wide pip constraint (e.g. torch<=2.14.1 in /etc/xdg/pip) would refuse the
+# version asked for: these installs replace it with PIP_CONSTRAINT=/dev/null (index
+# settings are kept) and pin the venv's own torch with their constraints file instead.
 # Exit status: non-zero if any version failed to install or had a failing test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,8 +53,8 @@ for version in "$@"; do
     rm -rf "$venv"
     echo "torch==$version" >"$constraints"
     if ! { "$python" -m venv "$venv" &&
-      "$venv/bin/python" -m pip install -q "torch==$version" &&
-      "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[test,examples]"; } >>"$log" 2>&1; then
+      PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q "torch==$version" &&
+      PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[test,examples]"; } >>"$log" 2>&1; then
       result="install failed (see $log)"
     fi
   fi

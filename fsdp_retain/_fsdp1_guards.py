@@ -1,0 +1,130 @@
+"""Invariant checks of the FSDP1 backend (private FSDP1 access).
+
+Part of the FSDP1 backend with ``_fsdp1.py``. The block trusts that it saw
+every forward whose graph it is asked to backpropagate, and that FSDP1's
+post-backward hook runs for every unit a pass accumulates into. These checks
+turn a state that would otherwise give a silently wrong gradient into a
+``RuntimeError`` that names the block and the fix.
+
+[Note: what the FSDP1 guards check]
+- A pass over a graph whose forward ran before the block (``out = model(x)``
+  above the ``with``) is refused at its start, before any node runs: the
+  block recorded nothing of that forward, so it cannot keep or re-arm what
+  FSDP1 frees and unhooks after the first pass (``forward_outside_block``).
+- Every unit whose flat parameter's ``AccumulateGrad`` ran in a pass must also
+  have run FSDP1's post-backward hook (which reduces, or keeps the gradient
+  for ``no_sync()``) before FSDP1's final callback finalizes the pass. A
+  post-accumulate-grad hook on each flat parameter sees every accumulation,
+  in nested (reentrant-checkpointing) backwards too, and clears
+  ``_post_backward_called``; FSDP1's hook sets it again right after
+  (``PostBackwardCheck``). Checked before FSDP1's final callback where the
+  block queues it; where FSDP1's root pre-backward hook queued it first (a
+  backward started at the root's output), after it, where FSDP1 left that
+  flag only for units it did not reduce.
+- After a pass that reduced a sharded unit, its ``.grad`` is the shard or
+  ``None`` (``check_sharded_grads``): an unsharded ``.grad`` there means the
+  reduction was skipped. (For ``NO_SHARD`` the reduced and unreduced
+  gradients look alike; that case relies on the first check.)
+
+FSDP1's post-backward hook may run more than once for one unit in a pass
+(reentrant checkpointing of several regions that share a flat parameter):
+each run reduces that region's part and adds it to the saved shard, which is
+right, so it is not refused.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+FORWARD_OUTSIDE = (
+    "no_reshard_between_backwards: this backward runs over a graph whose forward ran "
+    "before the block was entered (FSDP1 unit(s): {units}). The block keeps and re-arms "
+    "only what its own forwards set up, so a second pass over this graph would give "
+    "wrong or unreduced gradients. Nothing was changed. Run the forward inside the "
+    "block:\n    with no_reshard_between_backwards(model):\n        out = model(x)\n"
+    "        loss1.backward(retain_graph=True)\n        loss2.backward()"
+)
+
+NOT_REDUCED = (
+    "no_reshard_between_backwards: in this backward FSDP1 accumulated a gradient into "
+    "unit(s) {units} without running FSDP1's post-backward hook (its reduction), so "
+    "the gradient would be left unreduced and silently wrong. This happens when the "
+    "graph was built outside the block's forward (a forward before the `with`), or when "
+    "a recomputed forward used a parameter node FSDP1 did not hook (parameter mixed "
+    "precision with reentrant activation checkpointing). Run the forward inside the "
+    "block; with reentrant checkpointing under parameter mixed precision use "
+    "non-reentrant checkpointing (use_reentrant=False)."
+)
+
+NOT_SHARDED = (
+    "no_reshard_between_backwards: after this backward FSDP1 unit(s) {units} hold an "
+    "unsharded .grad where a reduced shard was expected; the optimizer would apply a "
+    "wrong gradient. Please report this with the model's FSDP configuration; as a "
+    "workaround run each backward after its own forward."
+)
+
+
+def unit_names(handles, name_of) -> str:
+    names = sorted(name_of(h) for h in handles)
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+class PostBackwardCheck:
+    """Sees each accumulation into a flat parameter; checks FSDP1 reduced it."""
+
+    def __init__(self) -> None:
+        self.accumulated: set[Any] = set()
+
+    def install(self, handles) -> list[Any]:
+        hooks = []
+        ref = weakref.ref(self)
+        for handle in handles:
+            flat_param = handle.flat_param
+            if flat_param.requires_grad:
+                hooks.append(
+                    flat_param.register_post_accumulate_grad_hook(
+                        _Accumulated(ref, handle)
+                    )
+                )
+        return hooks
+
+    def begin_pass(self) -> None:
+        self.accumulated = set()
+
+    def unreduced(self) -> list[Any]:
+        """Units that accumulated in this pass but FSDP1's post-backward did not see."""
+        return [
+            h for h in self.accumulated if not getattr(h.flat_param, "_post_backward_called", True)
+        ]
+
+
+class _Accumulated:
+    # A weak reference: the hook lives on the parameter, the block must not.
+    def __init__(self, ref, handle) -> None:
+        self.ref = ref
+        self.handle = handle
+
+    def __call__(self, param: torch.Tensor) -> None:
+        check = self.ref()
+        if check is None:
+            return
+        check.accumulated.add(self.handle)
+        # FSDP1's post-backward hook on this AccumulateGrad node runs right
+        # after this one and sets it again.
+        param._post_backward_called = False
+
+
+def check_sharded_grads(handles, name_of) -> None:
+    """Each reduced sharded unit's ``.grad`` is its shard (or ``None``)."""
+    bad = [
+        h
+        for h in handles
+        if h.uses_sharded_strategy
+        and h.flat_param.grad is not None
+        and h.flat_param.grad.shape != h.flat_param._sharded_size
+    ]
+    if bad:
+        raise RuntimeError(NOT_SHARDED.format(units=unit_names(bad, name_of)))
