@@ -43,14 +43,25 @@ may still hold the tensor objects, but they then own no memory.
 [Note: probe passes]
 ``block.backward(loss, param_grads=False)`` is a backward that exists only for
 its hooks on activations. It differentiates ``loss`` with respect to the
-inputs of the FSDP units, recorded at forward as autograd edges (by a forward
-pre-hook that runs before FSDP's own pre-forward), with
-``torch.autograd.grad``. The engine then runs only the nodes on a path from
-``loss`` to those edges: every weight-gradient matmul and every
+activation frontier of the forward, recorded as autograd edges:
+
+- the inputs of the FSDP units that require grad (by a forward pre-hook that
+  runs before FSDP's own pre-forward, so FSDP's per-unit backward machinery
+  sees the pass), and
+- the outputs of every module whose inputs need no gradient but whose outputs
+  do: the first activations that depend on parameters only (a frozen
+  embedding's next layer, a LoRA adapter beside a frozen base layer, a
+  trainable norm on a frozen input).
+
+with ``torch.autograd.grad``. The engine then runs only the nodes on a path
+from ``loss`` to those edges: every weight-gradient matmul and every
 ``AccumulateGrad`` is skipped, so no parameter gradient exists to reduce.
-Hooks on activations downstream of a unit input fire with the gradients a
-plain backward gives them; hooks on parameters, and anything upstream of the
-first unit's input (e.g. the embedding), do not fire.
+Every tensor hook on a module's input or output, and every full backward hook
+on a module, that a plain backward fires, fires with the same gradient
+(a tensor captured as an edge still runs its hooks). Hooks on parameters do
+not fire, nor hooks on a tensor computed from parameters alone *inside* a
+module's forward whose inputs do need gradients (a functional op on two
+weights); hook the module's output instead.
 
 FSDP's own backward machinery still runs: pre-backward hooks on unit outputs
 (re-gathering with ``keep_unsharded=False``), per-unit post-backward (FSDP2's
@@ -191,12 +202,32 @@ class BlockBase:
     _unit_inputs: dict[tuple[int, int], Any]
     _installed: bool = False
     _deferred_hook = None
+    # True while a probe pass runs (public: hooks read it, see pass_index).
     probing: bool = False
     _exited: bool = False
     _saved_check: SavedTensorCheck | None = None
 
     @property
     def backward_passes(self) -> int:
+        """Backward passes seen so far in this block, probe passes included."""
+        return self.tracker.started
+
+    @property
+    def pass_index(self) -> int:
+        """1-based index of the running backward pass (0 before the first).
+
+        For hooks that act in one pass only: autograd captures a module's
+        backward hooks at forward, so over a retained graph they fire in every
+        pass. Inside a pass this is its index from the moment the pass reaches
+        the model; between passes, the index of the last one. ``probing`` is
+        true during a probe pass (``backward(..., param_grads=False)``).
+
+        Example::
+
+            def collect(module, grad_input, grad_output):
+                if block.probing:  # influence probe only, not the policy loss
+                    store(grad_output[0])
+        """
         return self.tracker.started
 
     def backward(
@@ -241,10 +272,10 @@ class BlockBase:
         if not edges:
             raise ValueError(
                 "block.backward(..., param_grads=False) has nothing to differentiate "
-                "against: no FSDP unit got an input that requires grad in this block's "
-                "forward, e.g. when only the root is wrapped. Wrap the layers too "
-                "(fully_shard(layer) / FullyShardedDataParallel(auto_wrap_policy=...)) "
-                "so their inputs are activations, or use param_grads=True."
+                "against: no activation in this block's forward requires grad (the "
+                "forward ran under torch.no_grad(), or every parameter is frozen). Run "
+                "the forward inside the block with grad enabled, or use "
+                "param_grads=True."
             )
         self._before_probe()
         self.probing = True
@@ -270,12 +301,30 @@ class BlockBase:
             self._capture_inputs, prepend=True, with_kwargs=True
         )
 
+    def capture_sources(self, root: nn.Module) -> list[Any]:
+        """Forward hook handles that record, as probe targets, the outputs of each
+        module under ``root`` whose inputs need no gradient (see [Note: probe passes])."""
+        return [
+            module.register_forward_hook(self._capture_sources, with_kwargs=True)
+            for module in root.modules()
+        ]
+
+    def _capture_sources(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or self._in_backward():
+            return
+        if grad_tensors((args, kwargs)):
+            return  # reached through its inputs
+        self._record_edges(grad_tensors(output))
+
     def _capture_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not torch.is_grad_enabled() or self._in_backward():
             return  # no graph, or an activation-checkpointing recompute
+        self._record_edges(grad_tensors((args, kwargs)))
+
+    def _record_edges(self, tensors: list[torch.Tensor]) -> None:
         from torch.autograd.graph import get_gradient_edge
 
-        for tensor in grad_tensors((args, kwargs)):
+        for tensor in tensors:
             # An edge keeps the autograd node, not the activation's memory.
             edge = get_gradient_edge(tensor)
             self._unit_inputs.setdefault((id(edge.node), edge.output_nr), edge)

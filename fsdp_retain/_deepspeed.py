@@ -159,6 +159,7 @@ class DeepSpeedBlock(BlockBase):
         for module in self._root.modules():
             if "pre_bwd_fn" in module.__dict__:
                 self._hooks.append(self.capture_unit_inputs(module))
+        self._hooks.extend(self.capture_sources(self._root))
 
     def _uninstall(self) -> None:
         for handle in self._hooks:

@@ -290,9 +290,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         # A forward with grad that ran before the block and whose backward has
         # not run: FSDP1 hooked its AccumulateGrad node and still holds it.
         self._outside = {
-            h: getattr(h.flat_param, _HOOK_STATE)[0]
-            for _, h in self._handles
-            if hasattr(h.flat_param, _HOOK_STATE)
+            h: node for _, h in self._handles if (node := _hooked_node(h)) is not None
         }
         self._hooks.extend(self._post_backward.install(h for _, h in self._handles))
         self._installed = True
@@ -305,6 +303,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
                 original = require_attr(handle, "pre_unshard", _FLAVOUR)
                 handle.pre_unshard = functools.partial(self._pre_unshard, handle, original)
         self._hooks.append(self.model.register_forward_hook(self._after_forward))
+        self._hooks.extend(self.capture_sources(self.model))
         for state in self._states:
             self._hooks.append(self.capture_unit_inputs(state))
             if state._handle is not None and state._handle.uses_sharded_strategy:
@@ -448,9 +447,9 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         graph that accumulates into it is only built in each pass's recompute)."""
         if not torch.is_grad_enabled() or _graph_task_id() != -1 or self._acc_grads.get(handle):
             return
-        hook_state = getattr(handle.flat_param, _HOOK_STATE, None)
-        if hook_state is not None:
-            self._acc_grads[handle] = [hook_state[0]]
+        node = _hooked_node(handle)
+        if node is not None:
+            self._acc_grads[handle] = [node]
 
     def _count_post_backward(self, state: Any, handle: Any) -> None:
         """Hooks a later forward's node; from now on every node of ``handle``
@@ -717,6 +716,16 @@ class FSDP1Block(GradBookkeeping, BlockBase):
 
 
 
+
+
+def _hooked_node(handle: Any) -> Any:
+    """The ``AccumulateGrad`` node FSDP1's post-backward hook is on, if any.
+
+    A flat parameter that needs no gradient has a reshard-only hook instead,
+    stored as a 1-tuple.
+    """
+    hook_state = getattr(handle.flat_param, _HOOK_STATE, None)
+    return hook_state[0] if hook_state is not None and len(hook_state) == 2 else None
 
 
 def _own_modules(inner: nn.Module):

@@ -221,6 +221,7 @@ class FSDP2Block(BlockBase):
                 )
                 record = functools.partial(self._record_outputs, state)
                 self._forward_hooks.append(module.register_forward_hook(record))
+        self._forward_hooks.extend(self.capture_sources(self.model))
         _pass_start.watch(self)
         self._watching = True
         if opts.keep_unsharded:
