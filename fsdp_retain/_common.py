@@ -74,6 +74,23 @@ FSDP holds unreduced (``no_sync()`` micro-batches, ``sync_grads="last"``)
 come out exactly as they went in. A probe pass is a backward pass for the
 block's bookkeeping: it counts toward ``backwards=N`` and
 ``backward_passes``.
+
+[Note: the block under torch.compile]
+The block's forward hooks record autograd nodes and edges of real tensors.
+Where a hook runs inside a region dynamo compiles (a unit compiled in place,
+``block.compile(fullgraph=True)``; the modules inside an ``OptimizedModule``),
+there are no such tensors, and touching autograd-private state would break the
+graph. Each such hook returns at once while ``torch.compiler.is_compiling()``
+(before touching its module: dynamo guards on what a hook reads, and a
+per-module read would recompile each unit). FSDP's own hooks run outside the
+compiled graphs, and so do the block's hooks on the FSDP modules themselves
+(FSDP1 units, FSDP2 roots and torchtitan-style wrappers), which is where pass
+boundaries, the reduction guards and ``keep_unsharded`` live. What a compiled
+region costs: its inner nodes are not recorded, so a probe pass reaches it
+from below (the compiled backward runs whole, weight gradients included, but
+nothing is accumulated), and with ``keep_unsharded=False`` a pass that starts
+inside a compiled unit is not seen in time. Compiled autograd (the backward
+traced by dynamo) is refused in ``_pass_start``.
 """
 
 from __future__ import annotations
@@ -310,14 +327,14 @@ class BlockBase:
         ]
 
     def _capture_sources(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() or self._in_backward():
+        if compiling() or not torch.is_grad_enabled() or self._in_backward():
             return
         if grad_tensors((args, kwargs)):
             return  # reached through its inputs
         self._record_edges(grad_tensors(output))
 
     def _capture_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if not torch.is_grad_enabled() or self._in_backward():
+        if compiling() or not torch.is_grad_enabled() or self._in_backward():
             return  # no graph, or an activation-checkpointing recompute
         self._record_edges(grad_tensors((args, kwargs)))
 
@@ -446,6 +463,11 @@ def grad_tensors(obj: Any, found: list[torch.Tensor] | None = None) -> list[torc
         for value in obj:
             grad_tensors(value, found)
     return found
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing the caller: see [Note: the block under torch.compile]."""
+    return torch.compiler.is_compiling()
 
 
 def create_graph_needs_keep() -> RuntimeError:

@@ -79,6 +79,7 @@ from ._common import (
     BlockBase,
     PassTracker,
     RetainOptions,
+    compiling,
     create_graph_needs_keep,
     grad_tensors,
     missing_internal,
@@ -253,6 +254,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         # of the modules inside it (a pass that runs one of them uses the unit).
         self._output_nodes: dict[Any, list[Any]] = {}
         self._inner_nodes: dict[Any, list[Any]] = {}
+        self._unit_of: dict[int, Any] = {}  # id(module inside a unit) -> its handle
         self._watching = False
         # See [Note: what the FSDP1 guards check] in _fsdp1_guards.py.
         self._post_backward = PostBackwardCheck()
@@ -320,9 +322,11 @@ class FSDP1Block(GradBookkeeping, BlockBase):
                 self._hooks.append(state.register_forward_hook(record))
                 capture = functools.partial(self._capture_fsdp_node, state._handle)
                 self._hooks.append(state.register_forward_hook(capture))
-                record = functools.partial(self._record_nodes, self._inner_nodes, state._handle)
+                # One hook object for all inner modules: dynamo guards on a
+                # module's hooks, so per-unit partials would recompile each unit.
                 for module in _own_modules(inner):
-                    self._hooks.append(module.register_forward_hook(record))
+                    self._unit_of[id(module)] = state._handle
+                    self._hooks.append(module.register_forward_hook(self._record_inner))
             handle = state._handle
             if handle is not None and handle.flat_param.requires_grad:
                 capture = functools.partial(self._capture_acc_grad, state, handle)
@@ -399,7 +403,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
     # Forward and pass boundaries #
     @_loud
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
+        if compiling() or not torch.is_grad_enabled():
             return
         self._regather = {h for _, h in self._handles if h._needs_pre_backward_unshard}
         self._forward_tensors = {
@@ -412,15 +416,22 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         self._forward_indices = {h: h._post_forward_index for _, h in self._handles}
 
     def _guard_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
+        if compiling() or not torch.is_grad_enabled():
             return
         guard = functools.partial(_backward_after_exit, self._alive)
         for t in grad_tensors(output):
             t.register_hook(guard)  # lives as long as the graph
 
+    def _record_inner(self, module: nn.Module, args: Any, output: Any) -> None:
+        if compiling():
+            return  # before touching `module`: dynamo would guard on its identity
+        handle = self._unit_of.get(id(module))
+        if handle is not None:
+            self._record_nodes(self._inner_nodes, handle, module, args, output)
+
     @staticmethod
     def _record_nodes(where: dict, handle: Any, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled() and _graph_task_id() == -1:
+        if not compiling() and torch.is_grad_enabled() and _graph_task_id() == -1:
             nodes = where.setdefault(handle, [])
             nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
 
@@ -431,7 +442,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         precision the forward ran on low-precision data, and switching
         ``.data`` to another dtype gives the parameter a new node.
         """
-        if not torch.is_grad_enabled() or _graph_task_id() != -1:
+        if compiling() or not torch.is_grad_enabled() or _graph_task_id() != -1:
             return  # no graph, or an activation-checkpointing recompute
         node = _acc_grad_node(handle.flat_param)
         nodes = self._acc_grads.setdefault(handle, [])
@@ -445,7 +456,9 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         """The node FSDP1 hooked in this unit's forward, when the unit's inner forward
         ran without grad (reentrant activation checkpointing inside the unit: the
         graph that accumulates into it is only built in each pass's recompute)."""
-        if not torch.is_grad_enabled() or _graph_task_id() != -1 or self._acc_grads.get(handle):
+        if compiling() or not torch.is_grad_enabled() or _graph_task_id() != -1:
+            return
+        if self._acc_grads.get(handle):
             return
         node = _hooked_node(handle)
         if node is not None:
@@ -641,7 +654,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
     def _hook_unit_inputs(self, state: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
         """Hooks the unit's inputs: their gradient is complete once the unit's
         backward is done, which in a probe pass is when it can be resharded."""
-        if not torch.is_grad_enabled() or self._in_backward():
+        if compiling() or not torch.is_grad_enabled() or self._in_backward():
             return
         hook = functools.partial(_unit_input_grad, weakref.ref(self), state)
         for tensor in grad_tensors((args, kwargs)):

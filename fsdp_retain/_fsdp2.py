@@ -46,6 +46,7 @@ from ._common import (
     ACTIVE_ATTR,
     PassTracker,
     RetainOptions,
+    compiling,
     create_graph_needs_keep,
     grad_tensors,
     missing_internal,
@@ -290,7 +291,7 @@ class FSDP2Block(BlockBase):
 
     # Pass boundaries #
     def _record_inputs(self, state: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if not torch.is_grad_enabled() or self._in_backward():
+        if compiling() or not torch.is_grad_enabled() or self._in_backward():
             return
         from torch.autograd.graph import get_gradient_edge
 
@@ -300,7 +301,7 @@ class FSDP2Block(BlockBase):
     def _record_outputs(self, state: Any, module: nn.Module, args: Any, output: Any) -> None:
         # Also runs for the root's first forward, whose pre-hooks were already
         # being called when the block installed its own.
-        if not torch.is_grad_enabled() or self._in_backward():
+        if compiling() or not torch.is_grad_enabled() or self._in_backward():
             return
         nodes = self._output_nodes.setdefault(state, [])
         nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
@@ -415,7 +416,8 @@ class FSDP2Block(BlockBase):
         self._swapped.clear()
 
     def _show_unsharded_before_forward(self, module: nn.Module, args: Any) -> None:
-        self._show_unsharded()
+        if not compiling():
+            self._show_unsharded()
 
     # sync_grads="last": detect zero_grad() between passes #
     def _record_sentinels(self) -> None:

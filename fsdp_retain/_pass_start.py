@@ -22,6 +22,8 @@ in ``_fsdp1.py`` and ``_fsdp2.py``.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.autograd
 
@@ -68,6 +70,21 @@ def unwatch(watcher) -> None:
         _original = None
 
 
+def _refuse_compiled_autograd() -> None:
+    """Compiled autograd traces the backward into a graph: the block's node hooks and
+    engine callbacks, which FSDP's own backward also relies on, do not run as they
+    do in eager (seen: FSDP2 wrong gradients without the block, errors with it)."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    if module is not None and getattr(module, "compiled_autograd_enabled", False):
+        raise RuntimeError(
+            "no_reshard_between_backwards does not support compiled autograd: this "
+            "backward runs under torch._dynamo.compiled_autograd. Run the backward "
+            "passes inside the block without it (torch._dynamo.config.compiled_autograd"
+            " = False, or outside compiled_autograd._enable(...)); torch.compile of "
+            "the forward (per block or whole model) is supported."
+        )
+
+
 def _roots(outputs) -> list:
     nodes, seen = [], set()
     for item in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
@@ -82,6 +99,7 @@ def _run_backward(outputs, *args, **kwargs):
     original = _original
     if in_backward() or not _watchers:
         return original(outputs, *args, **kwargs)
+    _refuse_compiled_autograd()
     watchers = list(_watchers)
     for watcher in watchers:
         watcher.before_backward()
