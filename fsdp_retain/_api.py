@@ -84,7 +84,7 @@ def _check_not_active(model: nn.Module) -> None:
 def no_reshard_between_backwards(
     model: nn.Module,
     *,
-    keep_unsharded: bool = True,
+    keep_unsharded: bool | int = True,
     sync_grads: str = "every",
     backwards: int | None = None,
     check_saved_tensors: bool = False,
@@ -106,7 +106,15 @@ def no_reshard_between_backwards(
             forward through the last backward, so no backward all-gathers
             (memory: the unsharded parameters of all units). ``False`` re-gathers
             per unit in every backward and frees right after (no extra memory,
-            one all-gather per unit per backward).
+            one all-gather per unit per backward). An ``int`` is a per-rank byte
+            budget for unsharded parameters held between passes: the block keeps
+            the units whose backward runs first (the root, then the last layers,
+            in reverse module order) while their unsharded parameter bytes fit,
+            and re-gathers the others per pass (prefetched as in a plain
+            backward). ``0`` behaves as ``False``; a budget of all units' bytes as
+            ``True``. Only parameters count: with ``sync_grads="last"`` every
+            unit also holds its unsharded gradients until the last pass,
+            whatever the budget. FSDP1 and FSDP2 only.
         sync_grads: ``"every"`` reduce-scatters after every backward, so ``.grad``
             of the sharded parameters is readable and ``zero_grad()`` works
             between passes. ``"last"`` accumulates unsharded gradients and

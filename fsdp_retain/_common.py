@@ -115,17 +115,24 @@ ACTIVE_ATTR = "_fsdp_retain_active_block"
 class RetainOptions:
     """The keyword options of ``no_reshard_between_backwards``, validated."""
 
-    keep_unsharded: bool = True
+    keep_unsharded: bool | int = True
     sync_grads: str = "every"
     backwards: int | None = None
     check_saved_tensors: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.keep_unsharded, bool):
+        if not isinstance(self.keep_unsharded, int):  # bool is an int
             raise TypeError(
-                f"keep_unsharded must be a bool, got {self.keep_unsharded!r}: "
-                "pass True to keep parameters unsharded between backward passes "
-                "or False to re-gather them per layer"
+                f"keep_unsharded must be a bool or an int, got {self.keep_unsharded!r}: "
+                "pass True to keep parameters unsharded between backward passes, "
+                "False to re-gather them per layer, or a per-rank byte budget such as "
+                "8 * 2**30 to keep the units that fit"
+            )
+        if not isinstance(self.keep_unsharded, bool) and self.keep_unsharded < 0:
+            raise ValueError(
+                f"keep_unsharded as a byte budget must be >= 0, got {self.keep_unsharded}: "
+                "pass the bytes of unsharded parameters each rank may hold between "
+                "passes (0 keeps nothing, like False)"
             )
         if self.sync_grads not in _SYNC_GRADS:
             raise ValueError(
@@ -149,6 +156,30 @@ class RetainOptions:
                 "pass True to check that tensors saved for backward are unchanged when "
                 "a later pass reads them, or False (the default) to skip the check"
             )
+
+
+def kept_units(units: list[tuple[Any, int]], keep_unsharded: bool | int) -> set[Any]:
+    """The units whose unsharded parameters a block keeps between passes.
+
+    ``units`` are ``(unit, unsharded parameter bytes per rank)`` in backward
+    order, the unit whose backward runs first first. ``True`` keeps every unit,
+    ``False`` none. A byte budget keeps the longest prefix whose bytes fit: the
+    units nearest the output, whose re-gather could not hide behind compute at
+    the start of the next pass. Units that free nothing (0 bytes, e.g.
+    ``NO_SHARD``) cost nothing and are always kept.
+    """
+    if isinstance(keep_unsharded, bool):
+        return {unit for unit, _ in units} if keep_unsharded else set()
+    kept, spent, full = set(), 0, False
+    for unit, nbytes in units:
+        if nbytes == 0:
+            kept.add(unit)
+        elif not full and spent + nbytes <= keep_unsharded:
+            kept.add(unit)
+            spent += nbytes
+        else:
+            full = True
+    return kept
 
 
 class PassTracker:

@@ -118,6 +118,13 @@ class DeepSpeedBlock(BlockBase):
     """One ``no_reshard_between_backwards`` block on a ZeRO-3 ``DeepSpeedEngine``."""
 
     def __init__(self, engine: Any, options: RetainOptions) -> None:
+        if not isinstance(options.keep_unsharded, bool):
+            raise ValueError(
+                f"no_reshard_between_backwards(keep_unsharded={options.keep_unsharded}): a "
+                "byte budget is supported on FSDP1 and FSDP2, not on DeepSpeed ZeRO-3. Pass "
+                "keep_unsharded=True or False; ZeRO-3's own stage3_max_live_parameters and "
+                "stage3_max_reuse_distance bound what it keeps."
+            )
         check_engine(engine)
         self.model = engine
         self.options = options

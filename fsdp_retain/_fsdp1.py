@@ -10,7 +10,10 @@ What the block does to FSDP1, per ``FlatParamHandle`` (one per unit):
   ``_should_free_in_backward``: with ``keep_unsharded=True`` no unsharded flat
   parameter is freed (neither after forward nor after backward) until the
   last known pass or the block exit, so the forward's all-gather serves every
-  backward. With ``keep_unsharded=False`` every pass frees, as FSDP does.
+  backward. With ``keep_unsharded=False`` every pass frees, as FSDP does. A
+  byte budget (``keep_unsharded=<int>``) keeps the handles ``kept_units`` in
+  ``_common.py`` picks and frees the others per pass (FSDP1's backward
+  prefetch re-gathers them ahead, from the forward order the pass end replays).
 - After each pass (FSDP's root final callback has run) the block undoes what
   that callback assumes about "the" backward: it re-registers the post-backward
   hook on each ``AccumulateGrad`` (so later passes reduce gradients), and for
@@ -82,6 +85,7 @@ from ._common import (
     compiling,
     create_graph_needs_keep,
     grad_tensors,
+    kept_units,
     missing_internal,
     require_attr,
 )
@@ -260,6 +264,8 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         self._post_backward = PostBackwardCheck()
         self._outside: dict[Any, Any] = {}  # handle -> node of a forward before the block
         self._names: dict[Any, str] = {}
+        self._kept: set[Any] = set()  # handles kept unsharded between passes
+        self._all_kept = False
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -295,6 +301,8 @@ class FSDP1Block(GradBookkeeping, BlockBase):
             h: node for _, h in self._handles if (node := _hooked_node(h)) is not None
         }
         self._hooks.extend(self._post_backward.install(h for _, h in self._handles))
+        self._kept = kept_units(self._backward_order(), self.options.keep_unsharded)
+        self._all_kept = len(self._kept) == len(self._handles)
         self._installed = True
         _pass_start.watch(self)
         self._watching = True
@@ -334,6 +342,17 @@ class FSDP1Block(GradBookkeeping, BlockBase):
         if self.options.sync_grads == "last":
             for state in self._states:
                 state._sync_gradients = False
+
+    def _backward_order(self) -> list[tuple[Any, int]]:
+        """Handles with their unsharded bytes, the root's first, then the others in
+        reverse module order (the order their backward runs; see ``kept_units``)."""
+        handles = [h for _, h in self._handles]
+        root = [h for s, h in self._handles if s is self.model]
+        rest = [h for h in handles if h not in root]
+        return [
+            (h, _unsharded_bytes(h) if h.uses_sharded_strategy else 0)
+            for h in root + rest[::-1]
+        ]
 
     def _uninstall(self) -> None:
         self._alive.exited = True
@@ -387,10 +406,10 @@ class FSDP1Block(GradBookkeeping, BlockBase):
             return False
         phase = handle._training_state
         if phase == self._phase.FORWARD:  # post-forward reshard
-            return fsdp_free and not self.options.keep_unsharded
+            return fsdp_free and handle not in self._kept
         # _pass_open: also FSDP's catch-all reshard of units the pass never reached.
         if phase in (self._phase.BACKWARD_PRE, self._phase.BACKWARD_POST) or self._pass_open:
-            if self.options.keep_unsharded:
+            if handle in self._kept:
                 return self._freeing
             # Free even where FSDP's no_sync() heuristic keeps SHARD_GRAD_OP
             # unsharded: keep_unsharded=False promises no memory between passes.
@@ -554,7 +573,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
 
     def _runs_early(self, handle: Any) -> bool:
         """Whether the block must do ``handle``'s pre-backward at the pass start."""
-        if self.options.keep_unsharded:
+        if handle in self._kept:
             # Nothing to gather: prepare every unit the pass accumulates into,
             # so no AccumulateGrad runs before FSDP's hook would have.
             return handle in self._accumulating
@@ -578,7 +597,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
 
     @_loud
     def _on_pass_start(self) -> None:
-        if torch.is_grad_enabled() and not self.options.keep_unsharded:
+        if torch.is_grad_enabled() and not self._all_kept:
             raise create_graph_needs_keep()
         self._pass_open = True
         model = self.model
@@ -663,7 +682,7 @@ class FSDP1Block(GradBookkeeping, BlockBase):
     def _probe_unit_done(self, state: Any) -> None:
         """What FSDP's post-backward hook would reshard, without reducing."""
         handle = state._handle
-        if (self.options.keep_unsharded and not self._freeing) or handle.needs_unshard():
+        if (handle in self._kept and not self._freeing) or handle.needs_unshard():
             return
         handle._training_state = self._phase.BACKWARD_POST
         self._fsdp.post_backward_reshard(state, handle)
@@ -729,6 +748,11 @@ class FSDP1Block(GradBookkeeping, BlockBase):
 
 
 
+
+
+def _unsharded_bytes(handle: Any) -> int:
+    padded = require_attr(handle.flat_param, "_full_param_padded", _FLAVOUR)
+    return padded.numel() * padded.element_size()
 
 
 def _hooked_node(handle: Any) -> Any:

@@ -13,6 +13,9 @@ What the block does to FSDP2, per FSDP parameter group (one per unit):
 - ``keep_unsharded=False``: ``reshard_after_backward=True``; FSDP2's own
   pre-backward hook re-gathers per unit on each pass. The backward prefetch
   order recorded by the forward is replayed on every pass.
+- A byte budget (``keep_unsharded=<int>``): ``kept_units`` in ``_common.py``
+  picks the groups; kept groups get the ``True`` flags, the others the
+  ``False`` ones (their re-gathers prefetched from the replayed order).
 - ``sync_grads="last"``: ``reduce_grads=False`` until the last pass (or the
   block exit), so unsharded gradients accumulate and are reduce-scattered once.
 - Probe passes (see [Note: probe passes] in ``_common.py``): ``reduce_grads``
@@ -47,6 +50,7 @@ from ._common import (
     PassTracker,
     RetainOptions,
     compiling,
+    kept_units,
     create_graph_needs_keep,
     grad_tensors,
     missing_internal,
@@ -172,6 +176,8 @@ class FSDP2Block(BlockBase):
         self._output_nodes: dict[Any, list[Any]] = {}
         self._used_nodes: dict[Any, list[Any]] = {}
         self._watching = False
+        self._kept: set[int] = set()  # ids of the groups kept unsharded between passes
+        self._all_kept = False
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -199,8 +205,10 @@ class FSDP2Block(BlockBase):
             self._saved_groups.append((group, saved))
         self._installed = True
         opts = self.options
+        self._kept = {id(g) for g in kept_units(self._backward_order(), opts.keep_unsharded)}
+        self._all_kept = len(self._kept) == len(self._groups)
         for group in self._groups:
-            if opts.keep_unsharded:
+            if id(group) in self._kept:
                 group.post_forward_mesh_info = None
                 group.reshard_after_backward = False
             else:
@@ -225,13 +233,31 @@ class FSDP2Block(BlockBase):
         self._forward_hooks.extend(self.capture_sources(self.model))
         _pass_start.watch(self)
         self._watching = True
-        if opts.keep_unsharded:
+        if self._kept:
             for group in self._groups:
+                if id(group) not in self._kept:
+                    continue
                 for module in group.modules:
                     handle = module.register_forward_pre_hook(
                         self._show_unsharded_before_forward, prepend=True
                     )
                     self._forward_hooks.append(handle)
+
+    def _backward_order(self) -> list[tuple[Any, int]]:
+        """Groups with their unsharded bytes, the root's first, then the others in
+        reverse module order (the order their backward runs; see ``kept_units``)."""
+        root, rest = _param_groups(self._states[0]), []
+        for state in self._states[1:]:
+            rest.extend(_param_groups(state))
+        order = []
+        for group in root + rest[::-1]:
+            nbytes = sum(
+                fsdp_param._orig_size.numel()
+                * (fsdp_param.param_dtype or fsdp_param.orig_dtype).itemsize
+                for fsdp_param in group.fsdp_params
+            )
+            order.append((group, nbytes))
+        return order
 
     def _uninstall(self) -> None:
         if self._watching:
@@ -334,9 +360,9 @@ class FSDP2Block(BlockBase):
         if not self._state._state_ctx.post_backward_final_callback_queued:
             # No root output in this pass: what FSDP2's first pre-backward does.
             self._state._register_root_post_backward_final_callback()
-        if self.options.keep_unsharded:
-            return
         for state in used:
+            if all(id(g) in self._kept for g in _param_groups(state)):
+                continue  # nothing to gather
             if not any(map(run, self._output_nodes.get(state, ()))):
                 # The pass starts inside this unit: gather it before its nodes run.
                 state._pre_backward(torch.empty(0))
@@ -354,7 +380,7 @@ class FSDP2Block(BlockBase):
 
     def _on_pass_start(self) -> None:
         opts = self.options
-        if torch.is_grad_enabled() and not opts.keep_unsharded:
+        if torch.is_grad_enabled() and not self._all_kept:
             raise create_graph_needs_keep()
         index = self.tracker.begin()
         ctx = self._state._comm_ctx
@@ -363,7 +389,7 @@ class FSDP2Block(BlockBase):
                 list(ctx.post_forward_order),
                 [list(g._post_forward_indices) for g in self._groups],
             )
-        elif not opts.keep_unsharded and self._prefetch is not None:
+        elif not self._all_kept and self._prefetch is not None:
             order, indices = self._prefetch
             ctx.post_forward_order[:] = order
             for group, group_indices in zip(self._groups, indices):
@@ -393,7 +419,7 @@ class FSDP2Block(BlockBase):
     def _on_pass_end(self) -> None:
         self.tracker.end()
         self._end_probe()
-        if self.options.keep_unsharded:
+        if self._kept:
             self._show_sharded()
         if self._pending_unreduced:
             self._record_sentinels()

@@ -434,6 +434,20 @@ def nested_block_is_rejected() -> None:
 
 
 @registry.case()
+def byte_budget_is_rejected() -> None:
+    """keep_unsharded as an int (FSDP1/FSDP2 only) raises a ValueError naming the fix."""
+    engine, _ = make_engine(ds_config())
+    try:
+        with no_reshard_between_backwards(engine, keep_unsharded=2**20):
+            pass
+    except ValueError as exc:
+        assert "keep_unsharded=True or False" in str(exc), exc
+    else:
+        raise AssertionError("a byte budget was accepted on DeepSpeed")
+    assert_all_released(engine)
+
+
+@registry.case()
 def step_inside_block_is_rejected() -> None:
     engine, _ = make_engine(ds_config())
     try:

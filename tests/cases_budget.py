@@ -1,0 +1,170 @@
+"""``keep_unsharded`` as a byte budget (CPU, gloo, world size 2).
+
+Run inside ranks by ``tests/test_budget.py``. The model is ``tests.parity.Net``
+with each ``Block`` its own unit inside the root unit: 4 units, in backward order
+the root, blocks[2], blocks[1], blocks[0]. Budgets of 0, one unit, two units and
+all units (their unsharded bytes summed in that order) on FSDP1 FULL_SHARD (both
+``use_orig_params``), SHARD_GRAD_OP and FSDP2; 2 and 3 passes, ``zero_grad()``
+between passes, both ``sync_grads``, a probe pass first. Each case asserts:
+
+- parity with the unsharded reference over 3 SGD-momentum steps;
+- which units hold unsharded storage between passes: exactly the first ``k`` in
+  backward order (a wrong choice of units fails here);
+- all-gathers per step from the formula below, reductions as without a budget.
+
+All-gathers per step with ``k`` of ``n`` units kept and ``P`` passes: the forward
+gathers every unit (``n``); pass 1 re-gathers the units freed after forward that
+are not kept (the blocks not kept, for FULL_SHARD and FSDP2; none for
+SHARD_GRAD_OP; never the root, which no backend frees after forward); every later
+pass re-gathers every unit not kept (``n - k``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch.nn as nn
+
+from fsdp_retain import no_reshard_between_backwards
+from fsdp_retain._fsdp1_inspect import fsdp1_handles
+from fsdp_retain._fsdp2 import fsdp2_param_groups
+from tests import fsdp1_utils as f1
+from tests import fsdp2_utils as f2
+from tests.harness import Registry
+from tests.parity import LOSSES, Scenario, batch, make_net, reference_copy, run_parity, world
+
+registry = Registry()
+STRATEGIES = {
+    "fsdp1_full_orig": (f1.FULL, True),
+    "fsdp1_full_flat": (f1.FULL, False),
+    "fsdp1_gradop_orig": (f1.GRAD_OP, True),
+    "fsdp2": (None, None),
+}
+
+
+def _wrap(backend: str):
+    model = make_net()
+    ref = reference_copy(model)
+    if backend == "fsdp2":
+        return f2.wrap(model), ref, f2.ADAPTER
+    strategy, uop = STRATEGIES[backend]
+    return f1.wrap(model, strategy, use_orig_params=uop), ref, f1.ADAPTER
+
+
+def units_in_backward_order(model: nn.Module, backend: str) -> list[tuple[str, int]]:
+    """(unit name, unsharded bytes) for the root, blocks[2], blocks[1], blocks[0]."""
+    if backend == "fsdp2":
+        units = [("root", model)] + [(f"blocks.{i}", model.blocks[i]) for i in (2, 1, 0)]
+        out = []
+        for name, module in units:
+            group = fsdp2_param_groups(module)[0]
+            out.append((name, sum(p._orig_size.numel() * 4 for p in group.fsdp_params)))
+        return out
+    handles = fsdp1_handles(model)  # root first, then blocks in order
+    names = ["root"] + [f"blocks.{i}" for i in range(len(handles) - 1)]
+    # Before the first forward the flat parameter holds its padded shard.
+    pairs = [(n, h.flat_param.numel() * world() * 4) for n, h in zip(names, handles)]
+    return [pairs[0]] + pairs[1:][::-1]
+
+
+def unsharded_units(model: nn.Module, backend: str) -> set[str]:
+    """Units whose unsharded parameters own memory now."""
+    if backend == "fsdp2":
+        found = set()
+        for name, module in [("root", model)] + [
+            (f"blocks.{i}", b) for i, b in enumerate(model.blocks)
+        ]:
+            if not fsdp2_param_groups(module)[0].is_sharded:
+                found.add(name)
+        return found
+    handles = fsdp1_handles(model)
+    names = ["root"] + [f"blocks.{i}" for i in range(len(handles) - 1)]
+    return {
+        n for n, h in zip(names, handles) if h.flat_param._full_param_padded.untyped_storage().size()
+    }
+
+
+def expected_all_gathers(backend: str, n: int, k: int, passes: int) -> int:
+    frees_after_forward = backend != "fsdp1_gradop_orig"
+    blocks_not_kept = n - 1 - max(k - 1, 0)
+    first = blocks_not_kept if frees_after_forward else 0
+    return n + first + (passes - 1) * (n - k)
+
+
+def budget_case(backend: str, k: int, passes: int, sync: str, zero: bool, probe: bool) -> None:
+    model, ref, adapter = _wrap(backend)
+    order = units_in_backward_order(model, backend)
+    n = len(order)
+    budget = sum(nbytes for _, nbytes in order[:k])
+    kept = {name for name, _ in order[:k]}
+    seen_between: list[set[str]] = []
+    options = dict(keep_unsharded=budget, sync_grads=sync)
+    if probe:
+        # Pass 1 a probe pass, through the block's own call.
+        _probe_then_parity(model, ref, adapter, backend, options, kept, passes)
+        return
+
+    def counts(c) -> None:
+        assert c.all_gather == expected_all_gathers(backend, n, k, passes), (
+            f"all-gathers {c.all_gather}, expected {expected_all_gathers(backend, n, k, passes)}"
+            f" (n={n}, k={k}, passes={passes})"
+        )
+        reductions = n * (passes if sync == "every" else 1)
+        assert c.reduce_scatter == reductions, (c.reduce_scatter, reductions)
+
+    scenario = Scenario(
+        passes=passes, zero_between=zero, steps=3, options=options,
+        check_between=sync == "every",
+    )
+    run_parity(model, ref, scenario, adapter, expect_counts=counts)
+    # Which units stayed unsharded between passes (one more step, observed).
+    with no_reshard_between_backwards(model, **options):
+        out = model(batch(9))
+        LOSSES[0](out).backward(retain_graph=True)
+        seen_between.append(unsharded_units(model, backend))
+        LOSSES[1](out).backward()
+    model.zero_grad()
+    assert seen_between[0] == kept, f"unsharded between passes {seen_between[0]}, kept {kept}"
+
+
+def _probe_then_parity(model, ref, adapter, backend, options, kept, passes) -> None:
+    from tests.parity import averaged_grads, assert_close_dicts, sgd
+
+    opt, ref_opt = sgd(model), sgd(ref)
+    for step in range(3):
+        x = batch(step)
+        ref_out = ref(x)
+        for i in range(1, passes):
+            LOSSES[i % 3](ref_out).backward(retain_graph=i < passes - 1)
+        ref_grads = averaged_grads(ref)
+        for name, param in ref.named_parameters():
+            param.grad = ref_grads[name]
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with no_reshard_between_backwards(model, **options) as block:
+            out = model(x)
+            block.backward(LOSSES[0](out), param_grads=False, retain_graph=True)
+            between = unsharded_units(model, backend)
+            for i in range(1, passes):
+                LOSSES[i % 3](out).backward(retain_graph=i < passes - 1)
+        assert between == kept, f"unsharded after the probe pass {between}, kept {kept}"
+        assert_close_dicts(adapter.full_grads(model), ref_grads, f"step {step}: grads")
+        opt.step()
+        opt.zero_grad()
+        params = {n: p.detach() for n, p in ref.named_parameters()}
+        assert_close_dicts(adapter.full_params(model), params, f"step {step}: params")
+
+
+for _backend, _k, (_passes, _zero), _sync in itertools.product(
+    STRATEGIES, (0, 1, 2, 4), ((2, False), (3, True)), ("every", "last")
+):
+    registry.add(
+        f"budget_{_backend}_kept{_k}_p{_passes}{'_zero' if _zero else ''}_{_sync}",
+        functools.partial(budget_case, _backend, _k, _passes, _sync, _zero, False),
+    )
+for _backend, _k in itertools.product(STRATEGIES, (1, 2)):
+    registry.add(
+        f"budget_{_backend}_kept{_k}_probe_first",
+        functools.partial(budget_case, _backend, _k, 3, "every", False, True),
+    )
