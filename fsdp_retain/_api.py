@@ -107,9 +107,9 @@ def no_reshard_between_backwards(
             (memory: the unsharded parameters of all units). ``False`` re-gathers
             per unit in every backward and frees right after (no extra memory,
             one all-gather per unit per backward). An ``int`` is a per-rank byte
-            budget for unsharded parameters held between passes: the block keeps
-            the units whose backward runs first (the root, then the last layers,
-            in reverse module order) while their unsharded parameter bytes fit,
+            budget for unsharded parameters held between passes: going through
+            the units in backward order (the root, then the last layers first),
+            the block keeps each one whose unsharded parameter bytes still fit,
             and re-gathers the others per pass (prefetched as in a plain
             backward). ``0`` behaves as ``False``; a budget of all units' bytes as
             ``True``. Only parameters count: with ``sync_grads="last"`` every

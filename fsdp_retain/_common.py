@@ -163,22 +163,20 @@ def kept_units(units: list[tuple[Any, int]], keep_unsharded: bool | int) -> set[
 
     ``units`` are ``(unit, unsharded parameter bytes per rank)`` in backward
     order, the unit whose backward runs first first. ``True`` keeps every unit,
-    ``False`` none. A byte budget keeps the longest prefix whose bytes fit: the
-    units nearest the output, whose re-gather could not hide behind compute at
-    the start of the next pass. Units that free nothing (0 bytes, e.g.
-    ``NO_SHARD``) cost nothing and are always kept.
+    ``False`` none. A byte budget goes through the units in that order and
+    keeps each one whose bytes still fit in what is left: first the units
+    nearest the output, whose re-gather could not hide behind compute at the
+    start of the next pass; a unit too large for the rest (often the root, with
+    the embedding and the output layer) is skipped, not the end of the walk.
+    Units that free nothing (0 bytes, e.g. ``NO_SHARD``) are always kept.
     """
     if isinstance(keep_unsharded, bool):
         return {unit for unit, _ in units} if keep_unsharded else set()
-    kept, spent, full = set(), 0, False
+    kept, left = set(), keep_unsharded
     for unit, nbytes in units:
-        if nbytes == 0:
+        if nbytes <= left:
             kept.add(unit)
-        elif not full and spent + nbytes <= keep_unsharded:
-            kept.add(unit)
-            spent += nbytes
-        else:
-            full = True
+            left -= nbytes
     return kept
 
 

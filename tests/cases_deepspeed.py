@@ -65,6 +65,11 @@ def setup() -> None:
 
 VOCAB, SEQ, BATCH = 128, 8, 2
 TOL = dict(rtol=1e-4, atol=1e-5)
+# Gradient accumulation (gas > 1): DeepSpeed sums the micro-batches in its own buffer
+# and order; after 3 momentum steps fp32 reassociation reaches ~1.6e-5 on gradients of
+# ~1e-2 (seen with deepspeed 0.19.8, transformers 5.23, torch 2.13). A wrong pass is off
+# by ~1e-3 and more.
+TOL_ACCUMULATED = dict(rtol=1e-4, atol=5e-5)
 # bf16 gradients are reduced and accumulated in bf16: compare each tensor's
 # largest error with its largest value, plus a floor from the largest value of
 # all tensors for the near-zero ones (attention key biases). A lost or doubled
@@ -152,7 +157,9 @@ def full_params(engine) -> dict:
     }
 
 
-def assert_close(actual: dict, expected: dict, what: str, bf16: bool = False) -> None:
+def assert_close(
+    actual: dict, expected: dict, what: str, bf16: bool = False, tol: dict = TOL
+) -> None:
     assert set(actual) == set(expected), f"{what}: names differ"
     floor = BF16_FLOOR_TOL * max(v.abs().max().item() for v in expected.values())
     for name, value in expected.items():
@@ -163,7 +170,7 @@ def assert_close(actual: dict, expected: dict, what: str, bf16: bool = False) ->
             assert error <= BF16_SCALE_TOL * scale + floor, f"{what}: {name}: error {error}, scale {scale}"
         else:
             torch.testing.assert_close(
-                actual[name], value, **TOL, msg=lambda m, n=name: f"{what}: {n}: {m}"
+                actual[name], value, **tol, msg=lambda m, n=name: f"{what}: {n}: {m}"
             )
 
 
@@ -264,6 +271,7 @@ def run_parity(scenario: Scenario, check_counts: bool = True) -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
     dtype = next(engine.module.parameters()).dtype
     assert dtype == (torch.bfloat16 if scenario.bf16 else torch.float32), dtype
+    tol = TOL_ACCUMULATED if scenario.gas > 1 else TOL
     for step in range(scenario.steps):
         expected = reference_step(ref, ref_opt, scenario, step)
         for micro in range(scenario.gas):
@@ -275,10 +283,12 @@ def run_parity(scenario: Scenario, check_counts: bool = True) -> None:
                 got = {k: counts.get(k, 0) for k in want}
                 assert got == want, f"step {step} micro {micro}: collectives {counts}, expected {want}"
             if micro == scenario.gas - 1:
-                assert_close(full_grads(engine), expected, f"step {step}: grads", scenario.bf16)
+                assert_close(
+                    full_grads(engine), expected, f"step {step}: grads", scenario.bf16, tol
+                )
             engine.step()
         ref_params = {n: p.detach() for n, p in ref.named_parameters()}
-        assert_close(full_params(engine), ref_params, f"step {step}: params", scenario.bf16)
+        assert_close(full_params(engine), ref_params, f"step {step}: params", scenario.bf16, tol)
         assert_all_released(engine)
 
 

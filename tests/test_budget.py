@@ -17,15 +17,17 @@ UNITS = [("root", 100), ("b2", 50), ("b1", 50), ("b0", 50)]
         (True, {"root", "b2", "b1", "b0"}),
         (False, set()),
         (0, set()),
-        (99, set()),  # the root does not fit: nothing after it is kept either
+        (49, set()),
+        (99, {"b2"}),  # the root does not fit: skipped, the next unit that fits is kept
         (100, {"root"}),
         (149, {"root"}),
         (150, {"root", "b2"}),
+        (199, {"root", "b2"}),
         (250, {"root", "b2", "b1", "b0"}),
         (10**12, {"root", "b2", "b1", "b0"}),
     ],
 )
-def test_kept_units_is_the_prefix_in_backward_order_that_fits(budget, kept):
+def test_kept_units_keeps_what_fits_in_backward_order(budget, kept):
     assert kept_units(UNITS, budget) == kept
 
 

@@ -8,6 +8,7 @@ import shlex
 import sys
 
 from ._config import ALL_BACKENDS, BACKENDS, DIM_FLAGS, DTYPES, MIN_TIMED_STEPS, SIZES, ReportConfig
+from ._fit import parse_bytes
 from ._launch import run_report
 from ._modes import DEFAULT_MODES, mode_labels
 
@@ -55,6 +56,11 @@ def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConf
     parser.add_argument("--simulate-world-size", type=int, default=None,
                         help="estimate per-rank memory for N ranks in this process (fake process "
                              "group and fake tensors; memory only)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="non-reentrant activation checkpointing on every decoder layer")
+    parser.add_argument("--gpu-memory", nargs="+", default=[], metavar="SIZE",
+                        help="e.g. 80GiB 141GiB: also print the largest keep_unsharded budget among "
+                        "the modes run (regather, keep25/50/75, keep) whose peak fits")
     parser.add_argument("--out", default="report_out", help="output directory")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--timeout", type=float, default=1800.0,
@@ -81,6 +87,8 @@ def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConf
         seed=args.seed,
         timeout=args.timeout,
         command=f"{launcher} {prog} {shlex.join(raw)}".strip(),
+        activation_checkpointing=args.activation_checkpointing,
+        gpu_memory=tuple(parse_bytes(size) for size in args.gpu_memory),
         **{name: getattr(args, name) for name in DIM_FLAGS},
     )
 

@@ -25,6 +25,10 @@ SIZES: dict[str, dict[str, Any]] = {
                vocab=151936, tie=True, seq_len=2048, batch=1),
     "7b": dict(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4,
                vocab=152064, tie=False, seq_len=2048, batch=1),
+    "14b": dict(layers=48, hidden=5120, intermediate=13824, heads=40, kv_heads=8,
+                vocab=152064, tie=False, seq_len=2048, batch=1),
+    "32b": dict(layers=64, hidden=5120, intermediate=27648, heads=40, kv_heads=8,
+                vocab=152064, tie=False, seq_len=2048, batch=1),
 }
 DIM_FLAGS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "seq_len", "batch")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -70,6 +74,8 @@ class ReportConfig:
     seed: int = 42
     timeout: float = 1800.0
     command: str = ""
+    activation_checkpointing: bool = False  # non-reentrant, on every decoder layer
+    gpu_memory: tuple[int, ...] = ()  # bytes per rank: print the largest budget that fits
 
     def __post_init__(self) -> None:
         self.backends = tuple(self.backends)

@@ -109,6 +109,9 @@ def build_model(cfg: ReportConfig, device):
             model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(previous)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
     return model
 
 

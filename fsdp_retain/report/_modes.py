@@ -27,6 +27,17 @@ def _keep_bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> t
     return int((1 + KEEP_SLACK) * unsharded), "unsharded params of all units +10%"
 
 
+def _budget_bound(fraction: float) -> Bound:
+    def bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> tuple[int, str]:
+        budget = int(fraction * unsharded)
+        if sync_grads == "last":
+            return (int((1 + KEEP_SLACK) * (budget + unsharded)),
+                    f"budget ({fraction:.0%} of unsharded params) + unsharded grads +10%")
+        return int((1 + KEEP_SLACK) * budget), f"budget ({fraction:.0%} of unsharded params) +10%"
+
+    return bound
+
+
 def _regather_bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> tuple[int, str]:
     return int(REGATHER_SLACK * baseline_peak), "5% of two_forward peak"
 
@@ -40,7 +51,8 @@ class ModeSpec:
     suffixes the mode takes, the first is the default; ``forwards``: forward
     passes per step; ``bound``: the most memory the mode may add over
     ``two_forward``; ``probe``: backward 1 is a probe pass
-    (``block.backward(loss, param_grads=False)``).
+    (``block.backward(loss, param_grads=False)``); ``budget``: ``keep_unsharded``
+    is this fraction of the model's unsharded parameter bytes (a byte budget).
     """
 
     name: str
@@ -50,6 +62,7 @@ class ModeSpec:
     forwards: int = 1
     bound: Bound | None = None
     probe: bool = False
+    budget: float | None = None
 
 
 MODES: dict[str, ModeSpec] = {
@@ -71,6 +84,13 @@ MODES: dict[str, ModeSpec] = {
         ModeSpec("regather", "the library, keep_unsharded=False",
                  block=dict(keep_unsharded=False), sync_grads=("every", "last"),
                  bound=_regather_bound),
+        *(
+            ModeSpec(f"keep{pct}", f"the library, keep_unsharded=<{pct}% of the unsharded "
+                     "parameter bytes> (a byte budget: the units nearest the output kept)",
+                     block={}, sync_grads=("every", "last"),
+                     bound=_budget_bound(pct / 100), budget=pct / 100)
+            for pct in (25, 50, 75)
+        ),
     )
 }
 DEFAULT_MODES = ("two_forward", "naive", "keep:every", "keep:last", "probe:every",
@@ -115,7 +135,12 @@ class Mode:
     def uses_library(self) -> bool:
         return self.spec.block is not None
 
-    def block_options(self) -> dict[str, Any]:
-        """Keyword arguments of ``no_reshard_between_backwards`` for this mode."""
+    def block_options(self, unsharded_bytes: int | None = None) -> dict[str, Any]:
+        """Keyword arguments of ``no_reshard_between_backwards`` for this mode
+        (budget modes need the model's unsharded parameter bytes)."""
         assert self.spec.block is not None, self
-        return {**self.spec.block, "sync_grads": self.sync_grads, "backwards": BACKWARDS}
+        options = {**self.spec.block, "sync_grads": self.sync_grads, "backwards": BACKWARDS}
+        if self.spec.budget is not None:
+            assert unsharded_bytes is not None, f"{self.label} needs the unsharded bytes"
+            options["keep_unsharded"] = int(self.spec.budget * unsharded_bytes)
+        return options

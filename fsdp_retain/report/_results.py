@@ -201,6 +201,8 @@ def config_dict(cfg: ReportConfig, world: int, meta: dict, device) -> dict[str, 
         "batch_per_rank": dims["batch"],
         "param_count": meta.get("param_count"),
         "unsharded_param_bytes": meta.get("unsharded_param_bytes"),
+        "unit_bytes": meta.get("unit_bytes"),
+        "activation_checkpointing": cfg.activation_checkpointing,
         "backwards_per_step": BACKWARDS,
         "warmup_steps": cfg.warmup,
         "timed_steps": 0 if cfg.simulate_world_size else cfg.steps,
@@ -224,5 +226,11 @@ def finish(cfg: ReportConfig, rows: list[dict], meta: dict, world: int, device) 
     say("wrote " + ", ".join(str(p) for k, p in paths.items() if k != "md_text"))
     if cfg.simulate_world_size:
         print(render_fit_table(report), flush=True)
+    if cfg.gpu_memory:
+        from ._fit import render_budget_fit
+
+        fit = "\n".join(render_budget_fit(report, size) for size in cfg.gpu_memory)
+        (Path(cfg.out) / "budget_fit.md").write_text(fit)
+        print(fit, flush=True)
     return report
 

@@ -15,7 +15,8 @@ from typing import Any
 from ._config import ReportConfig
 from ._hooks import NO_HOOKS, CountHooks, TimeHooks, TrackerHooks
 from ._memory import make_tracker
-from ._model import build_model, fsdp_units, make_batch, param_bytes, wrap
+from ._fit import unit_bytes
+from ._model import build_model, decoder_layers, fsdp_units, make_batch, param_bytes, wrap
 from ._modes import MARKED_MODES, Mode
 from ._step import train_step
 
@@ -98,6 +99,7 @@ class BackendRun:
         self.meta.setdefault("model_class", type(model).__name__)
         self.meta.setdefault("param_count", sum(p.numel() for p in model.parameters()))
         self.meta.setdefault("unsharded_param_bytes", param_bytes(model))
+        self.meta.setdefault("unit_bytes", unit_bytes(model, decoder_layers(model)))
         if self.backend == "deepspeed":
             from ._deepspeed import build_engine, gathered_units
 
@@ -112,6 +114,11 @@ class BackendRun:
         self.model = wrap(model, self.backend, self.device, mesh)
         self.meta["fsdp_units"] = fsdp_units(self.model, self.backend)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-5)
+
+    @property
+    def unsharded(self) -> int:
+        """The model's unsharded parameter bytes (what budget modes take a fraction of)."""
+        return self.meta["unsharded_param_bytes"]
 
     def fail(self, mode: Mode, error: str, where: str) -> None:
         self.rebuilt = True
@@ -164,7 +171,7 @@ class BackendRun:
 
     def steps(self, mode: Mode, n: int) -> None:
         for _ in range(n):
-            train_step(self.model, self.optimizer, self.batch, mode)
+            train_step(self.model, self.optimizer, self.batch, mode, unsharded_bytes=self.unsharded)
 
     def time_modes(self) -> None:
         """Round-robin over the modes so that load changes hit all of them alike."""
@@ -200,7 +207,7 @@ class BackendRun:
         hooks = TimeHooks(self.sync) if with_marks else NO_HOOKS
         self.sync()
         start = time.perf_counter()
-        train_step(self.model, self.optimizer, self.batch, mode, hooks)
+        train_step(self.model, self.optimizer, self.batch, mode, hooks, self.unsharded)
         self.sync()
         elapsed = time.perf_counter() - start
         result = self.results[mode.label]
@@ -215,7 +222,7 @@ class BackendRun:
 
     def count(self, mode: Mode) -> None:
         hooks = CountHooks()
-        train_step(self.model, self.optimizer, self.batch, mode, hooks)
+        train_step(self.model, self.optimizer, self.batch, mode, hooks, self.unsharded)
         self.results[mode.label]["counts"] = hooks.totals()
 
     def memory(self, mode: Mode) -> None:
@@ -225,7 +232,7 @@ class BackendRun:
         if self.device.type == "cuda":
             self.sync()
             torch.cuda.reset_peak_memory_stats(self.device)
-            train_step(self.model, self.optimizer, self.batch, mode)
+            train_step(self.model, self.optimizer, self.batch, mode, unsharded_bytes=self.unsharded)
             self.sync()
             result["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             result["memory_source"] = "torch.cuda.max_memory_allocated"
@@ -248,7 +255,9 @@ class BackendRun:
         result = self.results[mode.label]
         tracker = make_tracker(self.model, self.optimizer, self.batch, self.backend)
         with tracker:
-            train_step(self.model, self.optimizer, self.batch, mode, TrackerHooks(tracker))
+            train_step(
+                self.model, self.optimizer, self.batch, mode, TrackerHooks(tracker), self.unsharded
+            )
         peak, breakdown, detail = tracker.peak_breakdown(self.device.type)
         result["tracker"] = tracker.torch_tool
         result["tracker_peak_bytes"] = peak

@@ -25,7 +25,10 @@ def policy_loss(logp, advantages):
     return -(advantages[:, None] * logp).mean()
 
 
-def train_step(model, optimizer, batch, mode: Mode, hooks: StepHooks = NO_HOOKS) -> None:
+def train_step(
+    model, optimizer, batch, mode: Mode, hooks: StepHooks = NO_HOOKS,
+    unsharded_bytes: int | None = None,
+) -> None:
     """One optimizer step with the log-prob loss and the policy loss, run as ``mode`` says."""
     from .. import no_reshard_between_backwards
 
@@ -45,7 +48,7 @@ def train_step(model, optimizer, batch, mode: Mode, hooks: StepHooks = NO_HOOKS)
             del logp
     else:
         block = (
-            no_reshard_between_backwards(model, **mode.block_options())
+            no_reshard_between_backwards(model, **mode.block_options(unsharded_bytes))
             if mode.uses_library
             else contextlib.nullcontext()
         )
