@@ -49,3 +49,45 @@ def results():
 @pytest.mark.parametrize("name", cases_budget.registry.names(world_size=2))
 def test_budget(results, name):
     check_case(results, name)
+
+
+def test_report_budget_modes_pass_a_byte_budget():
+    from fsdp_retain.report._modes import Mode
+
+    options = Mode.parse("keep50:last").block_options(unsharded_bytes=1000)
+    assert options["keep_unsharded"] == 500 and options["sync_grads"] == "last"
+    with pytest.raises(AssertionError):
+        Mode.parse("keep25").block_options()
+
+
+def test_report_gpu_memory_sizes():
+    from fsdp_retain.report._fit import parse_bytes
+
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("141 GiB") == 141 * 2**30
+    assert parse_bytes("80e9") == 80 * 10**9
+    with pytest.raises(ValueError, match="80GiB"):
+        parse_bytes("lots")
+
+
+def test_report_budget_fit_picks_the_largest_mode_that_fits():
+    from fsdp_retain.report._fit import all_gathers, render_budget_fit
+
+    units = [400, 100, 100, 100]  # root, then layers last to first
+    # kept: nothing -> 4 + 3 + 4; the root only -> 4 + 3 + 3; all -> 4.
+    assert all_gathers(units, 0, True) == 11
+    assert all_gathers(units, 400, True) == 10
+    assert all_gathers(units, 700, True) == 4
+    gib = 2**30
+    rows = [
+        dict(backend="fsdp2", label=label, ok=True, peak_bytes=peak * gib)
+        for label, peak in [("two_forward", 50), ("regather:every", 49),
+                            ("keep25:every", 60), ("keep75:every", 75), ("keep:every", 90)]
+    ]
+    config = dict(unit_bytes=units, model="m", dtype="bf16", batch_per_rank=2,
+                  seq_len=2048, world_size=8, simulated=True)
+    table = render_budget_fit({"config": config, "rows": rows}, 80 * gib)
+    line = next(line for line in table.splitlines() if line.startswith("| fsdp2"))
+    assert "`keep75:every`" in line and "| 75.0 |" in line, line
+    # 75% of 700 bytes = 525 keeps the root and one layer: 4 + 2 + (4 - 2) all-gathers.
+    assert "| 2 of 4 |" in line and line.endswith("| 8 |"), line
