@@ -447,12 +447,13 @@ _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 def _refuse_reentrant_checkpoint(loss: torch.Tensor) -> None:
     """Raises before a probe pass that would reach a reentrant checkpoint."""
     root = loss.grad_fn
-    stack, seen = ([root] if root is not None else []), set()
+    # Visited nodes are kept alive: ids of freed node wrappers could be reused.
+    stack, seen = ([root] if root is not None else []), {}
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if type(node).__name__ == _REENTRANT_CHECKPOINT:
             raise ValueError(
                 "block.backward(..., param_grads=False) reached a reentrant activation "
