@@ -41,11 +41,12 @@ def worker(cfg: ReportConfig) -> dict | None:
     try:
         if cfg.steps < MIN_TIMED_STEPS and rank == 0:
             say(f"note: {cfg.steps} timed steps (< {MIN_TIMED_STEPS}): timings are rough")
-        rows, meta = [], {}
+        rows: list[dict] = []
+        meta: dict = {}
         for backend_name in cfg.backends:
             run = BackendRun(cfg, backend_name, device, rank, world)
             run.run()
-            gathered: list[dict | None] = [None] * world
+            gathered: list = [None] * world
             dist.all_gather_object(gathered, run.results)
             rows += merge_ranks(cfg, backend_name, gathered, run.meta, world, False)
             meta = {**run.meta, **meta}
