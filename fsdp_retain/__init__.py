@@ -1,7 +1,6 @@
-"""Several backward passes over one forward under PyTorch FSDP (FSDP1 and FSDP2)."""
+"""Several backward passes over one forward under PyTorch FSDP1, FSDP2 and DeepSpeed ZeRO-3."""
 
-from ._api import no_reshard_between_backwards
-from ._common import RetainOptions
+from ._api import RetainBlock, SyncGrads, no_reshard_between_backwards
 
-__all__ = ["no_reshard_between_backwards", "RetainOptions"]
+__all__ = ["RetainBlock", "SyncGrads", "no_reshard_between_backwards"]
 __version__ = "0.1.0"

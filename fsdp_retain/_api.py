@@ -4,10 +4,63 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Literal, Protocol
 
+import torch
 import torch.nn as nn
 
-from ._common import ACTIVE_ATTR, RetainOptions, first_wrapped_submodule
+from ._common import ACTIVE_ATTR, BlockBase, RetainOptions, first_wrapped_submodule
+
+SyncGrads = Literal["every", "last"]
+
+
+class RetainBlock(Protocol):
+    """What ``with no_reshard_between_backwards(model) as block`` binds.
+
+    The same for every backend (FSDP1, FSDP2, DeepSpeed ZeRO-3). Plain
+    ``loss.backward(...)`` / ``engine.backward(...)`` calls inside the block are
+    backward passes too; ``block.backward`` is needed only for probe passes.
+
+    Attributes:
+        backward_passes: the backward passes this block has seen so far (probe
+            passes included); read-only.
+        pass_index: the 1-based index of the running backward pass (0 before the
+            first; between passes, the last one's), for hooks that act in one
+            pass: a module's backward hooks fire in every pass over a retained
+            graph.
+        probing: true while a probe pass (``backward(..., param_grads=False)``)
+            runs.
+
+    Example::
+
+        with no_reshard_between_backwards(model) as block:
+            out = model(batch)
+            block.backward(out.pow(2).mean(), param_grads=False, retain_graph=True)
+            out.mean().backward()
+        assert block.backward_passes == 2
+    """
+
+    @property
+    def backward_passes(self) -> int: ...
+
+    @property
+    def pass_index(self) -> int: ...
+
+    @property
+    def probing(self) -> bool: ...
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        param_grads: bool = True,
+        retain_graph: bool | None = None,
+    ) -> None:
+        """One backward pass of ``loss``: with ``param_grads=True`` it is
+        ``loss.backward(retain_graph=retain_graph)``; with ``False`` a probe pass
+        that only feeds hooks on activations (no parameter gradient, no
+        ``.grad`` change, nothing reduced)."""
+        ...
 
 
 def fsdp_flavour(module: nn.Module) -> str | None:
@@ -23,7 +76,7 @@ def fsdp_flavour(module: nn.Module) -> str | None:
     return None
 
 
-def _make_block(model: nn.Module, options: RetainOptions):
+def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
     from ._deepspeed import is_deepspeed_engine
 
     if is_deepspeed_engine(model):
@@ -85,23 +138,24 @@ def no_reshard_between_backwards(
     model: nn.Module,
     *,
     keep_unsharded: bool | int = True,
-    sync_grads: str = "every",
+    sync_grads: SyncGrads = "every",
     backwards: int | None = None,
     check_saved_tensors: bool = False,
-) -> Iterator[object]:
+) -> Iterator[RetainBlock]:
     """Run one forward and several backward passes over its retained graph under FSDP.
 
     Inside the block FSDP does not free the unsharded parameters a retained
-    autograd graph still needs (see ``[Note: why a retained graph needs
-    unsharded storage]`` in ``fsdp_retain/_common.py``). When the block exits,
-    also by an exception, every unit is resharded and every FSDP flag the
-    block changed is restored.
+    autograd graph still needs, so every backward pass over the block's
+    forward sees them. When the block exits, also by an exception, every unit
+    is resharded and every FSDP flag the block changed is restored. How it
+    works, per backend: ``docs/guide.md``; the options side by side:
+    ``docs/options.md``.
 
     Args:
         model: the root FSDP module: ``FullyShardedDataParallel(...)`` (FSDP1) or
             the module ``fully_shard`` was applied to last (FSDP2); or the
             ``DeepSpeedEngine`` that ``deepspeed.initialize`` returns (ZeRO
-            stage 3, see the README).
+            stage 3, ``docs/backends.md``).
         keep_unsharded: ``True`` keeps each unit's unsharded parameters from the
             forward through the last backward, so no backward all-gathers
             (memory: the unsharded parameters of all units). ``False`` re-gathers
@@ -121,9 +175,10 @@ def no_reshard_between_backwards(
             reduce-scatters once, after the last backward (or at block exit);
             ``.grad`` is not updated between passes, ``zero_grad()`` still
             discards earlier passes.
-        backwards: the number of backward passes, if known. The last pass then
-            reshards each unit as soon as its gradients are done (lower peak).
-            With ``None`` everything is resharded when the block exits.
+        backwards: the number of backward passes, if known (probe passes
+            count). The last pass then reshards each unit as soon as its
+            gradients are done (lower peak). With ``None`` everything is
+            resharded when the block exits.
         check_saved_tensors: ``True`` fingerprints every tensor the graph
             saves for backward inside the block and raises a ``RuntimeError``
             naming the autograd node and the tensor's shape when a backward
@@ -132,35 +187,55 @@ def no_reshard_between_backwards(
             ``cross_entropy_loss(..., inplace_backward=True)``, or a freed
             storage) instead of computing silently wrong gradients. Tensors
             saved inside a non-reentrant activation-checkpointed region are
-            not seen (they are recomputed per pass). Costs a strided sample and
-            a sum of each saved tensor when it is saved and when a later pass
-            reuses it; see the README.
+            not seen (they are recomputed per pass). Costs about 1.1x step
+            time; use it to validate a setup.
+
+    Yields:
+        A ``RetainBlock``: ``block.backward_passes`` (passes seen so far, probe
+        passes included) and ``block.backward(loss, *, param_grads=True,
+        retain_graph=None)``; with ``param_grads=False`` that is a probe pass
+        that only feeds hooks on activations, computes no parameter gradients,
+        leaves every gradient (also those held unreduced) as it is and reduces
+        nothing.
 
     On an exception inside the block nothing is communicated: parameters are
     resharded locally and gradients that were not yet reduced are dropped.
 
-    The object bound by ``as`` has ``backward_passes`` (passes seen so far,
-    probe passes included) and ``backward(loss, *, param_grads=True,
-    retain_graph=None)``: with ``param_grads=False`` a probe pass that only
-    feeds hooks on activations, computes no parameter gradients, leaves every
-    gradient (also those held unreduced) as it is and reduces nothing (see
-    ``[Note: probe passes]`` in ``fsdp_retain/_common.py``). ``backwards``
-    counts probe passes too.
-
     Example::
 
-        with no_reshard_between_backwards(model):
+        # torchrun --nproc_per_node 2 example.py   (CPU, gloo)
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        from fsdp_retain import no_reshard_between_backwards
+
+        dist.init_process_group("gloo")
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = torch.randn(4, 8)
+
+        # Two losses, one forward: both passes add to .grad, as two forwards would.
+        with no_reshard_between_backwards(model, backwards=2):
             out = model(batch)
-            logp_loss(out).backward(retain_graph=True)
-            optimizer.zero_grad()
-            policy_loss(out).backward()
+            out.pow(2).mean().backward(retain_graph=True)
+            optimizer.zero_grad()  # optional: drop the first loss's gradients
+            out.mean().backward()
         optimizer.step()
 
-        # Backward 1 only for its activation hooks, accumulating over micro-batches:
-        with maybe_no_sync(model), no_reshard_between_backwards(model) as block:
-            out = model(micro_batch)
-            block.backward(logp_loss(out), param_grads=False, retain_graph=True)
-            policy_loss(out).backward()
+        # Backward 1 only for its hooks on activations (a probe pass).
+        seen = []
+        with no_reshard_between_backwards(model) as block:
+            out = model(batch)
+            out.register_hook(lambda grad: seen.append(grad.norm()))
+            block.backward(out.pow(2).mean(), param_grads=False, retain_graph=True)
+            out.mean().backward()
+        optimizer.step()
+        print(block.backward_passes, len(seen))  # 2 2
+        dist.destroy_process_group()
     """
     options = RetainOptions(
         keep_unsharded=keep_unsharded,

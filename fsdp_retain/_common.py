@@ -97,7 +97,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -247,11 +247,20 @@ class BlockBase:
     # (id(node), output_nr) -> GradientEdge of each FSDP unit input seen in forward.
     _unit_inputs: dict[tuple[int, int], Any]
     _installed: bool = False
-    _deferred_hook = None
+    _deferred_hook: Any = None
     # True while a probe pass runs (public: hooks read it, see pass_index).
     probing: bool = False
     _exited: bool = False
     _saved_check: SavedTensorCheck | None = None
+
+    if TYPE_CHECKING:  # implemented by each backend
+
+        def _root_decided(self) -> bool: ...
+        def _install_at_first_forward(self, module: nn.Module, args: Any) -> None: ...
+        def _install(self) -> None: ...
+        def _finish(self) -> None: ...
+        def _abort(self) -> None: ...
+        def _uninstall(self) -> None: ...
 
     @property
     def backward_passes(self) -> int:

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 _KINDS = {
     "all_gather": ("allgather", "all_gather"),
@@ -27,7 +28,7 @@ class CollectiveCounts:
     all_gather_bytes: int = 0
     reduce_scatter_bytes: int = 0
     all_reduce_bytes: int = 0
-    _mode: object = dataclasses.field(default=None, repr=False)
+    _mode: Any = dataclasses.field(default=None, repr=False)
     _excluded: Counter = dataclasses.field(default_factory=Counter, repr=False)
     _excluded_bytes: Counter = dataclasses.field(default_factory=Counter, repr=False)
 

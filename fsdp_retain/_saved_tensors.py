@@ -37,6 +37,7 @@ import functools
 import math
 import sys
 import traceback
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -145,6 +146,7 @@ class _Saved:
 
 def _caller(depth: int):
     """The first frame, ``depth`` or more frames up, whose code is not this module's."""
+    frame: FrameType | None
     try:
         frame = sys._getframe(depth + 1)
     except ValueError:  # called from an autograd thread with no Python caller
@@ -245,7 +247,9 @@ class SavedTensorCheck:
             )
         if saved.reads == 1:
             return tensor  # the first pass reads what the forward saved
-        if not torch.equal(fingerprint(plain), saved.fingerprint):
+        fresh = fingerprint(plain)
+        assert fresh is not None  # None only for what was never fingerprinted
+        if not torch.equal(fresh, saved.fingerprint):
             raise RuntimeError(
                 "no_reshard_between_backwards(check_saved_tensors=True): a tensor saved "
                 f"for backward by {_node_name(saved)} ({_describe_tensor(tensor)}) "

@@ -7,69 +7,127 @@ CPU/gloo, with or without the library.
     # --shutdown barrier_destroy | destroy | none | barrier_only
 
 fsdp_retain is imported only for --mode lib / both_lib. Run each variant many times
-and count exits of -6 (results in the README's known limits).
+and count exits of -6 (results in docs/limits.md).
 """
-import argparse, copy, os, sys
-import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
 
-p = argparse.ArgumentParser()
-p.add_argument("--mode", default="two_forward")
-p.add_argument("--shutdown", default="barrier_destroy")
-p.add_argument("--steps", type=int, default=3)
-p.add_argument("--dim", type=int, default=256)
-a = p.parse_args()
+import argparse
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
 
 class Block(nn.Module):
-    def __init__(s, d):
-        super().__init__(); s.norm = nn.LayerNorm(d); s.fc1 = nn.Linear(d, 4*d); s.fc2 = nn.Linear(4*d, d)
-    def forward(s, x): return x + s.fc2(F.gelu(s.fc1(s.norm(x))))
-class Net(nn.Module):
-    def __init__(s, d, n=4):
-        super().__init__(); s.blocks = nn.ModuleList(Block(d) for _ in range(n)); s.head = nn.Linear(d, d)
-    def forward(s, x):
-        for b in s.blocks: x = b(x)
-        return s.head(x)
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
 
-def shard(m):
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def shard(model: Net) -> Net:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for b in m.blocks: fully_shard(b, mesh=mesh)
-    return fully_shard(m, mesh=mesh)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
-def gnorm(m):
-    t = torch.zeros(())
-    for q in m.parameters():
-        if q.grad is not None: t += q.grad.to_local().pow(2).sum()
-    dist.all_reduce(t); return t.sqrt().item()
 
-def step_two_forward(m, o, x, y):
-    F.mse_loss(m(x), y).backward(); gnorm(m)
-    (0.1 * m(x).pow(2).mean()).backward(); o.step(); o.zero_grad()
-def step_retain_plain(m, o, x, y):
-    out = m(x); F.mse_loss(out, y).backward(retain_graph=True); gnorm(m)
-    (0.1 * out.pow(2).mean()).backward(); o.step(); o.zero_grad()
-def step_lib(m, o, x, y):
+def grad_norm(model: Net) -> float:
+    total = torch.zeros(())
+    for param in model.parameters():
+        if param.grad is not None:
+            total += param.grad.to_local().pow(2).sum()
+    dist.all_reduce(total)
+    return total.sqrt().item()
+
+
+def step_two_forward(model, opt, x, y) -> None:
+    F.mse_loss(model(x), y).backward()
+    grad_norm(model)
+    (0.1 * model(x).pow(2).mean()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def step_retain_plain(model, opt, x, y) -> None:
+    out = model(x)
+    F.mse_loss(out, y).backward(retain_graph=True)
+    grad_norm(model)
+    (0.1 * out.pow(2).mean()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def step_lib(model, opt, x, y) -> None:
     from fsdp_retain import no_reshard_between_backwards
-    with no_reshard_between_backwards(m):
-        out = m(x); F.mse_loss(out, y).backward(retain_graph=True); gnorm(m)
-        (0.1 * out.pow(2).mean()).backward()
-    o.step(); o.zero_grad()
 
-if a.mode in ("lib", "both_lib"):
-    import fsdp_retain  # noqa
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-torch.manual_seed(0)
-base = Net(a.dim)
-fns = {"two_forward": [step_two_forward], "retain_plain": [step_retain_plain], "lib": [step_lib],
-       "both_lib": [step_two_forward, step_lib], "both_plain": [step_two_forward, step_retain_plain]}[a.mode]
-models = [shard(copy.deepcopy(base)) for _ in fns]
-opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in models]
-g = torch.Generator().manual_seed(1 + rank)
-for _ in range(a.steps):
-    x = torch.randn(64, a.dim, generator=g); y = torch.randn(64, a.dim, generator=g)
-    for f, m, o in zip(fns, models, opts): f(m, o, x, y)
-if rank == 0: print("agreement: OK", flush=True)
-if a.shutdown in ("barrier_destroy", "barrier_only"): dist.barrier()
-if a.shutdown in ("barrier_destroy", "destroy"): dist.destroy_process_group()
+    with no_reshard_between_backwards(model):
+        out = model(x)
+        F.mse_loss(out, y).backward(retain_graph=True)
+        grad_norm(model)
+        (0.1 * out.pow(2).mean()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+STEPS = {
+    "two_forward": [step_two_forward],
+    "retain_plain": [step_retain_plain],
+    "lib": [step_lib],
+    "both_lib": [step_two_forward, step_lib],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="two_forward", choices=sorted(STEPS))
+    parser.add_argument("--shutdown", default="barrier_destroy",
+                        choices=("barrier_destroy", "destroy", "none", "barrier_only"))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=256)
+    args = parser.parse_args()
+    if args.mode in ("lib", "both_lib"):
+        import fsdp_retain  # noqa: F401
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = Net(args.dim)
+    steps = STEPS[args.mode]
+    models = [shard(copy.deepcopy(base)) for _ in steps]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in models]
+    gen = torch.Generator().manual_seed(1 + rank)
+    for _ in range(args.steps):
+        x = torch.randn(64, args.dim, generator=gen)
+        y = torch.randn(64, args.dim, generator=gen)
+        for step, model, opt in zip(steps, models, opts):
+            step(model, opt, x, y)
+    if rank == 0:
+        print("agreement: OK", flush=True)
+    if args.shutdown in ("barrier_destroy", "barrier_only"):
+        dist.barrier()
+    if args.shutdown in ("barrier_destroy", "destroy"):
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

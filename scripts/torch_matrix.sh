@@ -5,8 +5,8 @@
 #   scripts/torch_matrix.sh 2.9.1 2.10.0 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0
 #   scripts/torch_matrix.sh --subset 2.9.1 2.15.0   # the CI subset (see tests/matrix_subset.txt)
 #
-# Each venv gets `pip install torch==VERSION`, then the project with its test and
-# examples extras under a constraint that pins that torch (so nothing replaces
+# Each venv gets `pip install torch==VERSION`, then the project with its test
+# extra under a constraint that pins that torch (so nothing replaces
 # it), runs `python -m pytest -q`, and is deleted afterwards (KEEP_VENVS=1 keeps
 # it). Registry builds of torch carry CUDA but run on CPU; each venv is ~5 GB.
 # MATRIX_RECORD=0 (CI) leaves docs/compat.* alone; MATRIX_VENV_DIR (default $TMPDIR or
@@ -54,7 +54,7 @@ for version in "$@"; do
     echo "torch==$version" >"$constraints"
     if ! { "$python" -m venv "$venv" &&
       PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q "torch==$version" &&
-      PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[test,examples]"; } >>"$log" 2>&1; then
+      PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[test]"; } >>"$log" 2>&1; then
       result="install failed (see $log)"
     fi
   fi

@@ -47,7 +47,6 @@ from tests.parity import (
     make_net,
     reference_copy,
     sgd,
-    world,
 )
 
 registry = Registry()

@@ -163,6 +163,10 @@ def test_accelerate_train_refuses_fallback(env, fallback):
     assert proc.returncode != 0, out[-4000:]
     assert f"error: accelerate set up {fallback}" in out, out[-4000:]
     assert "not FSDP" in out
+    # Said once (by rank 0), with the CPU command that works.
+    assert out.count("error: accelerate set up") == 1, out[-4000:]
+    assert ("accelerate launch --config_file examples/accelerate/fsdp2.yaml "
+            "tests/accelerate_cpu_fsdp.py examples/accelerate/train.py") in out
     assert "agreement" not in proc.stdout
 
 

@@ -105,6 +105,10 @@ def test_fsdp1_naive_records_the_crash(report):
     assert not r["ok"]
     assert "RuntimeError" in r["error"] and "storage" in r["error"], r["error"]
     assert r["peak_bytes"] is None and r["step_time_s"] is None
+    # Labelled as the crash the library removes, so it does not fail the run.
+    assert "plain FSDP1" in r["expected_error"], r
+    assert "the expected crash: plain FSDP1" in (report[1] / "report.md").read_text()
+    assert all(x["expected_error"] is None for x in report[0]["rows"] if x is not r)
 
 
 def test_fsdp1_library_rows_ok_or_clear_error(report):
@@ -207,6 +211,11 @@ def test_files_written(report):
     for r in rep["rows"]:
         assert f"`{r['label']}`" in md
     assert "| backend | mode |" in md and "## Errors" in md and "setStorage" in md
+    # The legend says which options each mode name stands for.
+    assert "## Modes" in md
+    assert ('| `keep:last` | no_reshard_between_backwards(model, keep_unsharded=True, '
+            'sync_grads="last", backwards=2) |') in md
+    assert "backward 1 is a probe pass" in md and "check_saved_tensors=True" in md
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -367,3 +376,58 @@ def test_check_row_cost_against_keep(report):
             assert check["check_cost_ratio"] == pytest.approx(
                 check["step_time_s"] / keep["step_time_s"])
     assert "check_saved_tensors=True" in (out / "report.md").read_text()
+
+
+def _report_with(*rows: dict) -> dict:
+    return {"config": {}, "rows": list(rows)}
+
+
+def _row(label: str, backend: str, error: str | None, expected: str | None = None) -> dict:
+    return {"label": label, "backend": backend, "ok": error is None, "error": error,
+            "expected_error": expected}
+
+
+@pytest.mark.parametrize(
+    "rows, code",
+    [
+        ([_row("two_forward", "fsdp2", None), _row("keep:every", "fsdp2", None)], 0),
+        ([_row("naive", "fsdp1", "warm-up: RuntimeError: setStorage", "plain FSDP1 ...")], 0),
+        ([_row("two_forward", "fsdp2", None), _row("keep:every", "fsdp2", "timing: OOM")], 1),
+        ([_row("naive", "fsdp1", "setup: ModuleNotFoundError: x")], 1),
+    ],
+    ids=["all_rows", "only_the_expected_crash", "a_failed_row", "setup_failed"],
+)
+def test_exit_code_nonzero_when_a_row_failed(monkeypatch, capsys, tmp_path, rows, code):
+    """``python -m fsdp_retain.report`` exits 1 when a requested row could not be produced
+    (an expected crash, such as plain FSDP1's naive row, is a produced row)."""
+    from fsdp_retain.report import _cli
+
+    monkeypatch.setattr(_cli, "run_report", lambda cfg: _report_with(*rows))
+    assert _cli.main(["--size", "tiny", "--out", str(tmp_path)]) == code
+    if code:
+        assert "could not be produced" in capsys.readouterr().err
+
+
+def test_missing_transformers_fails_up_front_naming_the_extra(tmp_path):
+    """With transformers missing, the CLI stops before running anything, names the
+    report extra and exits 2 (before: every row failed in setup and the exit code was 0)."""
+    code = ("import sys; sys.modules['transformers'] = None; "
+            "from fsdp_retain.report._cli import main; "
+            f"sys.exit(main(['--simulate-world-size', '8', '--size', 'tiny', '--out', {str(tmp_path)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "needs transformers" in proc.stderr and "fsdp-retain[report]" in proc.stderr
+    assert "setup FAILED" not in proc.stdout and not (tmp_path / "report.json").exists()
+
+
+def test_missing_deepspeed_names_its_extra(monkeypatch, capsys, tmp_path):
+    from fsdp_retain.report import _cli
+    from fsdp_retain.report._deps import MissingDependency, check_dependencies
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    assert _cli.main(["--backend", "deepspeed", "--size", "tiny", "--out", str(tmp_path)]) == 2
+    assert "DS_BUILD_OPS=0 pip install 'fsdp-retain[deepspeed]'" in capsys.readouterr().err
+    with pytest.raises(MissingDependency, match="deepspeed"):
+        run_report(ReportConfig(backends=("deepspeed",), size="tiny", out=str(tmp_path)))
+    check_dependencies(("fsdp2", "fsdp1"))  # torch-only backends need nothing more

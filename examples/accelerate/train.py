@@ -6,6 +6,10 @@ Run on GPUs (set num_processes in the config to your GPU count):
     accelerate launch --config_file examples/accelerate/fsdp1.yaml examples/accelerate/train.py
     accelerate launch --config_file examples/accelerate/zero3.yaml examples/accelerate/train.py
 
+Run on CPU (2 ranks, gloo), from a clone, through the test launcher shim:
+
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml tests/accelerate_cpu_fsdp.py examples/accelerate/train.py
+
 Under DeepSpeed (zero3.yaml) the prepared model is the ``DeepSpeedEngine`` and
 ``accelerator.backward`` runs ``engine.step()`` after every call, which must
 not happen between two passes: the passes call ``model.backward`` (the
@@ -34,6 +38,7 @@ import argparse
 import copy
 import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -85,17 +90,23 @@ def require_fsdp(accelerator: Accelerator) -> None:
     if accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED) or (
         accelerator.num_processes != launched  # DeepSpeed on CPU: each rank alone
     ):
+        if os.environ.get("RANK", "0") != "0":
+            time.sleep(5)  # rank 0 says why, once; the launcher then stops this rank
+            sys.exit(1)
         sys.exit(
             f"error: accelerate set up {accelerator.distributed_type.value} with "
             f"{accelerator.num_processes} process(es) on {accelerator.device}, not FSDP "
-            "(or DeepSpeed). "
-            "Launch on GPUs with `accelerate launch --config_file "
-            "examples/accelerate/fsdp2.yaml examples/accelerate/train.py`. accelerate "
-            "selects FSDP only on accelerator backends (and DeepSpeed without one leaves "
-            "each rank a 1-process accelerator); without one (or with use_cpu / "
-            "ACCELERATE_USE_CPU=1) it falls back to independent processes or DDP, and "
-            "under DDP a second backward over one forward silently skips the gradient "
-            "all-reduce."
+            "(or DeepSpeed). accelerate selects FSDP only on accelerator backends (and "
+            "DeepSpeed without one leaves each rank a 1-process accelerator); without one "
+            "(or with use_cpu / ACCELERATE_USE_CPU=1) it falls back to independent "
+            "processes or DDP, and under DDP a second backward over one forward silently "
+            "skips the gradient all-reduce.\n"
+            "  On GPUs: accelerate launch --config_file examples/accelerate/fsdp2.yaml "
+            "examples/accelerate/train.py\n"
+            "  On CPU (a shim from this repository's tests that lets accelerate's own FSDP "
+            "setup run on gloo): accelerate launch --config_file "
+            "examples/accelerate/fsdp2.yaml tests/accelerate_cpu_fsdp.py "
+            "examples/accelerate/train.py"
         )
 
 

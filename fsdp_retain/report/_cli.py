@@ -9,8 +9,10 @@ import sys
 
 from ._config import ALL_BACKENDS, BACKENDS, DIM_FLAGS, DTYPES, MIN_TIMED_STEPS, SIZES, ReportConfig
 from ._fit import parse_bytes
+from ._deps import MissingDependency, check_dependencies
 from ._launch import run_report
 from ._modes import DEFAULT_MODES, mode_labels
+from ._results import unexpected_failures
 
 PROG = "-m fsdp_retain.report"  # what follows ``python`` (or ``torchrun ...``) in a command
 
@@ -95,6 +97,24 @@ def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConf
 
 
 def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
-    """Runs the report a command line asks for; ``prog`` names the entry point in the command."""
-    run_report(parse_args(argv, prog=prog))
+    """Runs the report a command line asks for; ``prog`` names the entry point in the command.
+
+    Returns 0 when every requested row was produced, 1 when a row failed (other than
+    an expected crash, such as plain FSDP1's ``naive`` row), 2 when a dependency is
+    missing (checked before anything runs; the message names the extra to install).
+    """
+    try:
+        check_dependencies()  # --model-config needs transformers to parse the flags
+        cfg = parse_args(argv, prog=prog)
+        check_dependencies(cfg.backends)
+    except MissingDependency as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    report = run_report(cfg)
+    failed = unexpected_failures(report)
+    if failed:
+        print(f"error: {len(failed)} requested row(s) could not be produced: "
+              + "; ".join(f"{r['backend']} {r['label']}: {r['error']}" for r in failed),
+              file=sys.stderr, flush=True)
+        return 1
     return 0

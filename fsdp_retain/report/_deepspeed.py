@@ -39,7 +39,7 @@ class EngineOptimizer:
         """``engine.step()`` already cleared the gradients."""
 
     @property
-    def state(self) -> dict[str, dict[str, Any]]:
+    def state(self) -> dict[Any, Any]:
         """Registered up front by the tracker: the shards ZeRO-3 keeps and the optimizer state."""
         zero = self.engine.optimizer
         shards = {

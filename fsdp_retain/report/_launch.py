@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ._config import MIN_TIMED_STEPS, ReportConfig
+from ._deps import check_dependencies
 from ._model import check_model_config
 from ._results import finish, merge_ranks
 from ._runner import BackendRun, quiet_known_warnings, say
@@ -41,11 +42,12 @@ def worker(cfg: ReportConfig) -> dict | None:
     try:
         if cfg.steps < MIN_TIMED_STEPS and rank == 0:
             say(f"note: {cfg.steps} timed steps (< {MIN_TIMED_STEPS}): timings are rough")
-        rows, meta = [], {}
+        rows: list[dict] = []
+        meta: dict = {}
         for backend_name in cfg.backends:
             run = BackendRun(cfg, backend_name, device, rank, world)
             run.run()
-            gathered: list[dict | None] = [None] * world
+            gathered: list = [None] * world
             dist.all_gather_object(gathered, run.results)
             rows += merge_ranks(cfg, backend_name, gathered, run.meta, world, False)
             meta = {**run.meta, **meta}
@@ -119,7 +121,9 @@ def run_report(cfg: ReportConfig) -> dict:
 
     Launches ``cfg.nproc`` ranks itself unless it already runs as one rank
     (under ``torchrun``: then it returns the report on rank 0 and ``{}``
-    elsewhere); ``cfg.simulate_world_size`` runs in this process.
+    elsewhere); ``cfg.simulate_world_size`` runs in this process. Raises
+    ``MissingDependency``, naming the extra to install, before anything runs
+    when a package the run needs is missing.
 
     Example::
 
@@ -128,6 +132,10 @@ def run_report(cfg: ReportConfig) -> dict:
         report = run_report(ReportConfig(backends=("fsdp2",), size="tiny", out="out"))
         print([(r["label"], r["peak_bytes"]) for r in report["rows"]])
     """
+    notes = check_dependencies(cfg.backends)  # raises MissingDependency
+    if os.environ.get("RANK", "0") == "0":
+        for note in notes:
+            say(note)
     if cfg.model_config is not None:
         check_model_config(cfg)
     if cfg.simulate_world_size:

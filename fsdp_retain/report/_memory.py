@@ -84,7 +84,7 @@ def _tracker_classes():
             super().__init__(*args, **kwargs)
 
         def _update_snap(self, u_type, winfo, *args, **kwargs) -> None:
-            super()._update_snap(u_type, winfo, *args, **kwargs)
+            super()._update_snap(u_type, winfo, *args, **kwargs)  # type: ignore[misc]
             now = 0 if u_type.name == "DEL" else winfo.mem_consumed
             before = self._now.get(winfo, 0)
             if now != before:
@@ -165,8 +165,8 @@ def _tracker_classes():
         def _label(self, tensors, reftype, bucket: str, label: str) -> None:
             for tensor in tensors:
                 for winfo in self._update_and_maybe_create_winfos(tensor, reftype):
-                    winfo.report_bucket = bucket
-                    winfo.report_label = label
+                    winfo.report_bucket = bucket  # type: ignore[attr-defined]
+                    winfo.report_label = label  # type: ignore[attr-defined]
 
     GenericTracker.torch_tool = "MemTracker"
     fsdp2_tracker = None

@@ -52,7 +52,9 @@ class ModeSpec:
     passes per step; ``bound``: the most memory the mode may add over
     ``two_forward``; ``probe``: backward 1 is a probe pass
     (``block.backward(loss, param_grads=False)``); ``budget``: ``keep_unsharded``
-    is this fraction of the model's unsharded parameter bytes (a byte budget).
+    is this fraction of the model's unsharded parameter bytes (a byte budget);
+    ``expected_crash``: backend -> why this mode is expected to fail there (its
+    row then records the crash and does not count as a failed row).
     """
 
     name: str
@@ -63,6 +65,7 @@ class ModeSpec:
     bound: Bound | None = None
     probe: bool = False
     budget: float | None = None
+    expected_crash: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 MODES: dict[str, ModeSpec] = {
@@ -70,7 +73,15 @@ MODES: dict[str, ModeSpec] = {
     for spec in (
         ModeSpec("two_forward", "forward, backward, forward again, backward (no library)",
                  forwards=2),
-        ModeSpec("naive", "one forward, backward(retain_graph=True), backward (no library)"),
+        ModeSpec("naive", "one forward, backward(retain_graph=True), backward (no library)",
+                 expected_crash={
+                     "fsdp1": "plain FSDP1 frees the unsharded parameters the retained graph "
+                              "still uses after backward 1 (setStorage ... storage of size 0); "
+                              "the crash the library removes",
+                     "deepspeed": "plain ZeRO-3 releases the parameters the retained graph "
+                                  "still uses after backward 1 (size of tensor a (0)); the "
+                                  "crash the library removes",
+                 }),
         ModeSpec("keep", "the library, keep_unsharded=True",
                  block=dict(keep_unsharded=True), sync_grads=("every", "last"),
                  bound=_keep_bound),
@@ -97,6 +108,24 @@ DEFAULT_MODES = ("two_forward", "naive", "keep:every", "keep:last", "probe:every
                  "check:every", "regather:every")
 # Modes whose timed steps also stamp their phases (backward 1, forward 2).
 MARKED_MODES = ("two_forward", "keep", "probe")
+
+
+def mode_legend(label: str, *, short: bool = False) -> str:
+    """What a mode label means, e.g. ``keep:last`` -> the library call with its options;
+    ``short``: the options only (for the plot)."""
+    mode = Mode.parse(label)
+    if not mode.uses_library:
+        return mode.spec.what
+    options = {key: value for key, value in mode.block_options().items()
+               if not (short and key == "backwards")}
+    text = ", ".join(f'{key}="{value}"' if isinstance(value, str) else f"{key}={value}"
+                     for key, value in options.items())
+    if not short:
+        text = f"no_reshard_between_backwards(model, {text})"
+    if mode.spec.probe:
+        text += ("; backward 1 a probe pass" if short
+                 else "; backward 1 is a probe pass, block.backward(loss, param_grads=False)")
+    return text
 
 
 def mode_labels() -> list[str]:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ._modes import mode_legend
+
 __all__ = ["render_fit_table", "render_markdown", "render_png", "write_report"]
 
 _BREAKDOWN = ("sharded_params", "unsharded_params", "grads", "activations", "other")
@@ -69,6 +71,13 @@ def _header(cfg: dict, unit: str, size: int) -> list[str]:
     )
 
 
+def _legend(rows: list[dict]) -> list[str]:
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    return ["## Modes", "", "| mode | what runs |", "|---|---|"] + [
+        f"| `{label}` | {mode_legend(label)} |" for label in labels
+    ]
+
+
 def _memory_table(rows: list[dict], unit: str, size: int) -> list[str]:
     def scaled(value: int | None, fmt: str = "{:.1f}") -> str:
         return _num(None if value is None else value / size, fmt)
@@ -84,7 +93,8 @@ def _memory_table(rows: list[dict], unit: str, size: int) -> list[str]:
     for row in rows:
         cells = [row["backend"], _mode_cell(row)]
         if not row["ok"]:
-            cells += ["error (see below)"] + [""] * (3 + len(_BREAKDOWN))
+            what = "expected crash" if row.get("expected_error") else "error"
+            cells += [f"{what} (see below)"] + [""] * (3 + len(_BREAKDOWN))
         else:
             breakdown = row["breakdown"] or {}
             cells += [
@@ -160,7 +170,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     cfg, rows = report["config"], report["rows"]
     unit, size = _unit(rows)
     ok_rows = [r for r in rows if r["ok"]]
-    lines = _header(cfg, unit, size) + [""] + _memory_table(rows, unit, size)
+    lines = _header(cfg, unit, size) + [""] + _legend(rows) + [""] + _memory_table(rows, unit, size)
     if not cfg["simulated"]:
         lines += [""] + _time_table(ok_rows)
         for extra in (_probe_lines(ok_rows), _check_lines(ok_rows)):
@@ -174,8 +184,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     failed = [r for r in rows if not r["ok"]]
     if failed:
         lines += ["", "## Errors", ""]
-        lines += [f"- {r['backend']} {_mode_cell(r)}: `{r['error']}`" for r in failed]
-        if cfg["simulated"]:
+        for r in failed:
+            if r.get("expected_error"):
+                where = (" Under fake tensors it surfaces as a different error."
+                         if cfg["simulated"] else "")
+                lines.append(f"- {r['backend']} {_mode_cell(r)}: the expected crash: "
+                             f"{r['expected_error']}.{where} Recorded: `{r['error']}`")
+            else:
+                lines.append(f"- {r['backend']} {_mode_cell(r)}: `{r['error']}`")
+        if cfg["simulated"] and any(not r.get("expected_error") for r in failed):
             lines.append("- (Simulated: an error may come from fake tensors, not from FSDP.)")
     lines += ["", "## How to read this", ""]
     lines += _notes(cfg, rows)
@@ -233,7 +250,7 @@ def render_fit_table(report: dict[str, Any]) -> str:
         if row is None:
             return ""
         if not row["ok"]:
-            return "error"
+            return "crashes (expected)" if row.get("expected_error") else "error"
         change = row["memory_overhead_bytes"]
         peak = _num(row["peak_bytes"] / size)
         return peak if change is None or row["mode"] == "two_forward" else (
@@ -255,6 +272,12 @@ def render_fit_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _error_mark(ax: Any, x: int, row: dict) -> None:
+    expected = bool(row.get("expected_error"))
+    ax.text(x, 0, "expected crash" if expected else "error", ha="center", va="bottom",
+            color="tab:gray" if expected else "red", rotation=90)
+
+
 def render_png(report: dict[str, Any], path: Path) -> None:
     """Peak memory (stacked by breakdown) and step time per mode, one bar per row."""
     import matplotlib
@@ -269,7 +292,10 @@ def render_png(report: dict[str, Any], path: Path) -> None:
     timed = not cfg["simulated"]
     panels = 2 if timed else 1
     width = max(8.0, 1.2 * len(rows)) * panels / 1.4
-    fig, axes = plt.subplots(1, panels, figsize=(width, 4.8), squeeze=False)
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    legend_in = 0.2 + 0.16 * len(labels)  # inches under the panels for the mode legend
+    height = 4.8 + legend_in
+    fig, axes = plt.subplots(1, panels, figsize=(width, height), squeeze=False)
     ax = axes[0][0]
     bottom = [0.0] * len(rows)
     for key in _BREAKDOWN:
@@ -278,11 +304,11 @@ def render_png(report: dict[str, Any], path: Path) -> None:
         bottom = [b + h for b, h in zip(bottom, heights)]
     for x, row in zip(xs, rows):
         if not row["ok"]:
-            ax.text(x, 0, "error", ha="center", va="bottom", color="red", rotation=90)
+            _error_mark(ax, x, row)
         elif row["peak_bytes"] is not None:
             ax.plot([x - 0.4, x + 0.4], [row["peak_bytes"] / size] * 2, color="black", lw=1)
     ax.set_ylabel(f"peak memory per rank ({unit})")
-    ax.set_title("Peak memory (black line: reported peak)")
+    ax.set_title("Peak memory\n(black line: reported peak)", fontsize=10)
     ax.set_xticks(xs, names, fontsize=7)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if timed:
@@ -291,14 +317,14 @@ def render_png(report: dict[str, Any], path: Path) -> None:
         ax.bar(xs, times, color="tab:gray")
         for x, row in zip(xs, rows):
             if not row["ok"]:
-                ax.text(x, 0, "error", ha="center", va="bottom", color="red", rotation=90)
+                _error_mark(ax, x, row)
             elif row["mode"] == "two_forward" and row["forward2_time_s"]:
                 same = [i for i, r in zip(xs, rows) if r["backend"] == row["backend"]]
                 ideal = 1e3 * (row["step_time_s"] - row["forward2_time_s"])
                 ax.hlines(ideal, min(same) - 0.4, max(same) + 0.4, ls="--", lw=0.8,
                           color="tab:green")
         ax.set_ylabel("median step time (ms)")
-        ax.set_title("Median step time (dashed: two_forward minus its 2nd forward)")
+        ax.set_title("Median step time\n(dashed: two_forward minus its 2nd forward)", fontsize=10)
         ax.set_xticks(xs, names, fontsize=7)
     simulated = " (simulated)" if cfg["simulated"] else ""
     fig.suptitle(
@@ -306,7 +332,10 @@ def render_png(report: dict[str, Any], path: Path) -> None:
         f"{cfg['device']} world size {cfg['world_size']}{simulated}",
         fontsize=9,
     )
-    fig.tight_layout()
+    legend = "\n".join(f"{label}: {mode_legend(label, short=True)}" for label in labels)
+    fig.text(0.01, 0.01, "Modes (library modes: no_reshard_between_backwards with these options, "
+             "backwards=2)\n" + legend, fontsize=7, va="bottom", ha="left", family="monospace")
+    fig.tight_layout(rect=(0, legend_in / height, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -325,7 +354,8 @@ def write_report(report: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     try:
         render_png(report, paths["png"])
     except ImportError as exc:  # matplotlib is an optional dependency
-        print(f"[report] no report.png: {exc} (pip install matplotlib)", flush=True)
+        print(f"[report] no report.png: {exc} (the report extra: pip install "
+              "'fsdp-retain[report]')", flush=True)
         del paths["png"]
     paths["md_text"] = text
     return paths

@@ -27,6 +27,7 @@ def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dic
         results = [r[mode.label] for r in per_rank]
         first = results[0]
         error = next((r["error"] for r in results if r.get("error")), None)
+        expected = mode.spec.expected_crash.get(backend)
         row: dict[str, Any] = {
             "mode": mode.name,
             "label": mode.label,
@@ -36,6 +37,9 @@ def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dic
             "backwards": BACKWARDS if mode.uses_library else None,
             "ok": error is None,
             "error": error,
+            # Why this error is the expected crash (None: the row failed, or ran).
+            "expected_error": (expected if error is not None and not error.startswith("setup:")
+                               else None),
             "world_size": world,
             "simulated": simulated,
             "fsdp_units": meta.get("fsdp_units"),
@@ -85,6 +89,11 @@ def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dic
                 )
         rows.append(row)
     return rows
+
+
+def unexpected_failures(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows that could not be produced: failed, and not an expected crash."""
+    return [r for r in report.get("rows", []) if not r["ok"] and not r.get("expected_error")]
 
 
 def memory_bound(row: dict, baseline_peak: int, unsharded_bytes: int) -> tuple[int | None, str]:

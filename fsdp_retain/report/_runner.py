@@ -10,6 +10,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ._config import ReportConfig
@@ -59,7 +60,8 @@ class BackendRun:
             m.label: {"error": None, "times": [], "forward2_times": [],
                            "backward1_times": []} for m in self.modes
         }
-        self.model = self.optimizer = None
+        self.model: Any = None
+        self.optimizer: Any = None
         self.batch = make_batch(cfg, rank, device)
         self.meta: dict[str, Any] = {}
         self.rebuilt = False  # the model was rebuilt after a failure
@@ -160,14 +162,14 @@ class BackendRun:
         )
         for mode in self.modes:
             self.log(f"{mode.label}: {self.cfg.warmup} warm-up step(s)")
-            self.guarded(mode, "warm-up", lambda m=mode: self.steps(m, max(self.cfg.warmup, 1)))
+            self.guarded(mode, "warm-up", partial(self.steps, mode, max(self.cfg.warmup, 1)))
         self.time_modes()
         for mode in self.ok_modes():
             self.log(f"{mode.label}: counting collectives")
-            self.guarded(mode, "counting", lambda m=mode: self.count(m))
+            self.guarded(mode, "counting", partial(self.count, mode))
         for mode in self.ok_modes():
             self.log(f"{mode.label}: measuring memory")
-            self.guarded(mode, "memory", lambda m=mode: self.memory(m))
+            self.guarded(mode, "memory", partial(self.memory, mode))
 
     def steps(self, mode: Mode, n: int) -> None:
         for _ in range(n):
@@ -181,7 +183,7 @@ class BackendRun:
         if self.rebuilt:  # modes warmed up before the rebuild need one more step
             self.log("one more untimed step per mode (the model was rebuilt)")
             for mode, _ in plain:
-                self.guarded(mode, "warm-up", lambda m=mode: self.steps(m, 1))
+                self.guarded(mode, "warm-up", partial(self.steps, mode, 1))
         self.log(f"timing {self.cfg.steps} interleaved steps of {len(plain)} mode(s)")
         for step in range(self.cfg.steps):
             for mode, with_marks in list(entries):
@@ -211,7 +213,7 @@ class BackendRun:
         self.sync()
         elapsed = time.perf_counter() - start
         result = self.results[mode.label]
-        if with_marks:
+        if isinstance(hooks, TimeHooks):
             for phase in ("forward2", "backward1"):
                 if f"{phase}_start" in hooks.stamps:
                     result[f"{phase}_times"].append(

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from typing import Any
 
 from ._config import ReportConfig
@@ -29,6 +30,7 @@ def simulate(cfg: ReportConfig) -> dict:
     if dist.is_initialized():
         raise ValueError("--simulate-world-size runs in one process: do not use torchrun")
     world = cfg.simulate_world_size
+    assert world, "simulate() needs cfg.simulate_world_size"
     say(f"simulating {world} ranks with a fake process group and fake tensors: "
         f"{', '.join(cfg.backends)} x {len(cfg.modes)} modes")
     first, *others = cfg.backends
@@ -41,7 +43,8 @@ def simulate(cfg: ReportConfig) -> dict:
             per_backend = [_simulate_backend(cfg, first)] + [f.result() for f in futures]
     else:
         per_backend = [_simulate_backend(cfg, backend) for backend in cfg.backends]
-    rows, meta = [], {}
+    rows: list[dict] = []
+    meta: dict[str, Any] = {}
     for backend_rows, backend_meta in per_backend:
         rows += backend_rows
         meta = {**backend_meta, **meta}
@@ -66,6 +69,7 @@ def _simulate_backend(cfg: ReportConfig, backend: str) -> tuple[list[dict], dict
     # A mode that fails under fake tensors is a row with its error; not a logged traceback.
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     world = cfg.simulate_world_size
+    assert world
     device = torch.device("cpu")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
@@ -93,7 +97,7 @@ def _measure(run: BackendRun) -> None:
     run.log(f"{run.meta['fsdp_units']} FSDP units, {run.meta['param_count'] / 1e6:.1f}M params")
     for mode in run.modes:
         start = time.monotonic()
-        if run.guarded(mode, "memory", lambda m=mode: run.memory(m)):
+        if run.guarded(mode, "memory", partial(run.memory, mode)):
             peak = run.results[mode.label]["peak_bytes"]
             shown = f"{peak / 2**30:.2f} GiB" if peak >= 2**30 else f"{peak / 2**20:.1f} MiB"
             run.log(f"{mode.label}: peak {shown} per rank ({time.monotonic() - start:.0f}s)")

@@ -56,6 +56,7 @@ def train_step(
             logp = token_logprobs(model, ids)
             hooks.mark("backward1_start")
             if mode.spec.probe:
+                assert blk is not None, mode
                 blk.backward(logprob_loss(logp), param_grads=False, retain_graph=True)
             else:
                 logprob_loss(logp).backward(retain_graph=True)
