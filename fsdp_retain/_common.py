@@ -80,9 +80,11 @@ The block's forward hooks record autograd nodes and edges of real tensors.
 Where a hook runs inside a region dynamo compiles (a unit compiled in place,
 ``block.compile(fullgraph=True)``; the modules inside an ``OptimizedModule``),
 there are no such tensors, and touching autograd-private state would break the
-graph. Each such hook returns at once while ``torch.compiler.is_compiling()``
-(before touching its module: dynamo guards on what a hook reads, and a
-per-module read would recompile each unit). FSDP's own hooks run outside the
+graph. The block registers no hook inside such a region (``eager_modules``:
+dynamo may guard on a module's hook dicts, torch 2.9 does, and the block's
+hooks are new in every block, so each step would recompile), and each hook
+also returns at once while ``torch.compiler.is_compiling()`` (before touching
+its module: dynamo guards on what a hook reads). FSDP's own hooks run outside the
 compiled graphs, and so do the block's hooks on the FSDP modules themselves
 (FSDP1 units, FSDP2 roots and torchtitan-style wrappers), which is where pass
 boundaries, the reduction guards and ``keep_unsharded`` live. What a compiled
@@ -361,7 +363,7 @@ class BlockBase:
         module under ``root`` whose inputs need no gradient (see [Note: probe passes])."""
         return [
             module.register_forward_hook(self._capture_sources, with_kwargs=True)
-            for module in root.modules()
+            for module in eager_modules(root)
         ]
 
     def _capture_sources(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -502,6 +504,29 @@ def grad_tensors(obj: Any, found: list[torch.Tensor] | None = None) -> list[torc
         for value in obj:
             grad_tensors(value, found)
     return found
+
+
+def is_compiled_in_place(module: nn.Module) -> bool:
+    """``module.compile()``: its own hooks run inside the compiled region."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def eager_modules(root: nn.Module, stop=None):
+    """``root`` and the modules under it whose hooks run eagerly: not inside a
+    region dynamo compiles (a module compiled in place, and everything under it;
+    what an ``OptimizedModule`` wraps). ``stop(module)`` true: not descended into.
+    See [Note: the block under torch.compile].
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if is_compiled_in_place(module):
+            continue
+        yield module
+        if not isinstance(module, OptimizedModule):
+            stack.extend(c for c in module.children() if stop is None or not stop(c))
 
 
 def compiling() -> bool:

@@ -84,7 +84,9 @@ from ._common import (
     RetainOptions,
     compiling,
     create_graph_needs_keep,
+    eager_modules,
     grad_tensors,
+    is_compiled_in_place,
     kept_units,
     missing_internal,
     require_attr,
@@ -322,7 +324,10 @@ class FSDP1Block(GradBookkeeping, BlockBase):
             # Inside FSDP's forward: before its post-forward registers the
             # pre-backward hooks, after its pre-forward unsharded the parameters.
             inner = require_attr(state, "_fsdp_wrapped_module", _FLAVOUR)
-            self._hooks.append(inner.register_forward_hook(self._guard_outputs))
+            # No hook inside a compiled region: see [Note: the block under torch.compile].
+            inner_eager = not is_compiled_in_place(inner)
+            if inner_eager:
+                self._hooks.append(inner.register_forward_hook(self._guard_outputs))
             if state._handle is not None:
                 # The outputs FSDP's pre-backward hooks are on: what the unit
                 # returns (other module hooks may wrap the inner module's).
@@ -332,11 +337,11 @@ class FSDP1Block(GradBookkeeping, BlockBase):
                 self._hooks.append(state.register_forward_hook(capture))
                 # One hook object for all inner modules: dynamo guards on a
                 # module's hooks, so per-unit partials would recompile each unit.
-                for module in _own_modules(inner):
+                for module in eager_modules(inner, stop=_is_fsdp1_unit):
                     self._unit_of[id(module)] = state._handle
                     self._hooks.append(module.register_forward_hook(self._record_inner))
             handle = state._handle
-            if handle is not None and handle.flat_param.requires_grad:
+            if handle is not None and handle.flat_param.requires_grad and inner_eager:
                 capture = functools.partial(self._capture_acc_grad, state, handle)
                 self._hooks.append(inner.register_forward_pre_hook(capture))
         if self.options.sync_grads == "last":
@@ -765,17 +770,10 @@ def _hooked_node(handle: Any) -> Any:
     return hook_state[0] if hook_state is not None and len(hook_state) == 2 else None
 
 
-def _own_modules(inner: nn.Module):
-    """``inner`` and its submodules, without those of nested FSDP1 units."""
+def _is_fsdp1_unit(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    stack = [inner]
-    while stack:
-        module = stack.pop()
-        yield module
-        stack.extend(
-            c for c in module.children() if not isinstance(c, FullyShardedDataParallel)
-        )
+    return isinstance(module, FullyShardedDataParallel)
 
 
 def _non_root_message(model: nn.Module) -> str:

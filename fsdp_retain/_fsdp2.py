@@ -50,6 +50,7 @@ from ._common import (
     PassTracker,
     RetainOptions,
     compiling,
+    is_compiled_in_place,
     kept_units,
     create_graph_needs_keep,
     grad_tensors,
@@ -222,6 +223,8 @@ class FSDP2Block(BlockBase):
             self._patched.append(state)
         for state in self._states:
             for module in require_attr(state, "_modules", _FLAVOUR):
+                if is_compiled_in_place(module):
+                    continue  # see [Note: the block under torch.compile]
                 self._forward_hooks.append(self.capture_unit_inputs(module))
                 # After FSDP2's own hooks: unsharded parameters, wrapped inputs and outputs.
                 record = functools.partial(self._record_inputs, state)
@@ -238,6 +241,8 @@ class FSDP2Block(BlockBase):
                 if id(group) not in self._kept:
                     continue
                 for module in group.modules:
+                    if is_compiled_in_place(module):
+                        continue  # its forward shows what FSDP2 set up itself
                     handle = module.register_forward_pre_hook(
                         self._show_unsharded_before_forward, prepend=True
                     )
