@@ -287,6 +287,8 @@ def stage_report(folder: Folder, plan: Plan) -> bool:
             attempts.append(dict(batch=batch, exit_code=code, oom=report_oom(report, output)))
             folder.write_json(f"report/{backend}/attempts.json", attempts)
             if attempts[-1]["oom"] and batch != batches[-1]:
+                # Not a result: a later call must not take it for a finished part.
+                (out / "report.json").unlink(missing_ok=True)
                 say(f"report: {backend} ran out of memory at batch {batch}: trying a smaller one")
                 continue
             break
