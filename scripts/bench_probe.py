@@ -5,11 +5,13 @@ full backward of the same loss, and the RL step this projects to.
     python scripts/bench_probe.py                         # 2 CPU ranks, FSDP2 and FSDP1
     python scripts/bench_probe.py --backend fsdp2 --steps 20 --out bench_out
     torchrun --nproc_per_node 2 scripts/bench_probe.py    # as ranks of torchrun
+    python scripts/bench_probe.py --device cuda --dtype bf16 --size 1.5b --batch 4   # NCCL, all GPUs
 
 The model is the report's Qwen2-shaped causal LM (``Qwen2Config``: 4 layers,
 hidden 256, intermediate 704, 8 heads, 2 KV heads, vocab 8192; random weights),
 one FSDP unit per decoder layer plus the root, fp32, batch 4 x 128 tokens per
-rank. Each step runs one forward inside ``no_reshard_between_backwards`` and
+rank (``--size``, ``--dtype``, ``--batch``, ``--seq-len`` and ``--device cuda``, NCCL
+with one GPU per rank, change that). Each step runs one forward inside ``no_reshard_between_backwards`` and
 times backward 1 on the log-prob loss (``-mean log p``), then runs the policy
 loss backward untimed. The three ways of backward 1 alternate step by step, so
 they see the same machine load:
@@ -43,8 +45,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-DIMS = dict(layers=4, hidden=256, intermediate=704, heads=8, kv_heads=2, vocab=8192,
-            seq_len=128, batch=4)
+from fsdp_retain.report._config import DTYPES, SIZES  # noqa: E402 - the report's presets
+
+DIMS = dict(SIZES["small"])  # --size, --batch and --seq-len replace it in parse_args
 # The seed's phase profile on one H200, seconds.
 H200 = dict(forward_1=0.576, logp_backward=0.880, forward_2=0.566, loss_backward=1.033)
 WAYS = {  # name: (param_grads, sync_grads)
@@ -74,11 +77,12 @@ def build_model(device):
         vocab_size=DIMS["vocab"], hidden_size=DIMS["hidden"],
         intermediate_size=DIMS["intermediate"], num_hidden_layers=DIMS["layers"],
         num_attention_heads=DIMS["heads"], num_key_value_heads=DIMS["kv_heads"],
-        max_position_embeddings=32768, tie_word_embeddings=False, use_cache=False,
+        max_position_embeddings=max(32768, DIMS["seq_len"]), tie_word_embeddings=DIMS["tie"],
+        use_cache=False,
     )
     torch.manual_seed(0)
     with torch.device(device):
-        return Qwen2ForCausalLM(config)
+        return Qwen2ForCausalLM(config).to(DIMS["torch_dtype"])
 
 
 def wrap(model, backend: str, device):
@@ -112,11 +116,13 @@ def time_backends(args) -> dict:
 
     from fsdp_retain import no_reshard_between_backwards
 
-    device = torch.device("cpu")
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(rank + 1)
     ids = torch.randint(0, DIMS["vocab"], (DIMS["batch"], DIMS["seq_len"]), generator=gen)
     advantages = torch.randn(DIMS["batch"], generator=gen)
+    ids, advantages = ids.to(device), advantages.to(device)
     results = {}
     for backend in args.backend:
         model = wrap(build_model(device), backend, device)
@@ -125,9 +131,13 @@ def time_backends(args) -> dict:
             for way, (param_grads, sync_grads) in WAYS.items():
                 with no_reshard_between_backwards(model, sync_grads=sync_grads) as block:
                     logp = token_logprobs(model, ids)
+                    if cuda:
+                        torch.cuda.synchronize()
                     dist.barrier()
                     start = time.perf_counter()
                     block.backward(-logp.mean(), param_grads=param_grads, retain_graph=True)
+                    if cuda:
+                        torch.cuda.synchronize()
                     elapsed = time.perf_counter() - start
                     (-(advantages[:, None] * logp).mean()).backward()
                 model.zero_grad()
@@ -147,13 +157,16 @@ def time_backends(args) -> dict:
             ratios=ratios,
             projected_step=projected_step(ratios["probe_vs_full_last"]),
         )
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
     return results
 
 
 def report(results: dict, args, world: int) -> str:
     lines = [
-        f"Qwen2-shaped LM ({DIMS['layers']} layers, hidden {DIMS['hidden']}), fp32, {world} CPU "
-        f"ranks (gloo), batch {DIMS['batch']} x {DIMS['seq_len']} per rank; median of "
+        f"Qwen2-shaped LM ({DIMS['layers']} layers, hidden {DIMS['hidden']}), {args.dtype}, "
+        f"{world} {args.device} ranks ({'nccl' if args.device == 'cuda' else 'gloo'}), batch {DIMS['batch']} x {DIMS['seq_len']} per rank; median of "
         f"{args.steps} steps after {args.warmup} warm-up, slowest rank",
         f"{'backward 1 (ms)':<18}" + "".join(f"{b:>10}" for b in results),
     ]
@@ -179,7 +192,11 @@ def report(results: dict, args, world: int) -> str:
 def run_rank(args) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         results = time_backends(args)
         if dist.get_rank() == 0:
@@ -187,8 +204,13 @@ def run_rank(args) -> None:
             if args.out:
                 out = Path(args.out)
                 out.mkdir(parents=True, exist_ok=True)
-                payload = dict(dims=DIMS, h200_profile_s=H200, steps=args.steps,
+                import torch
+
+                dims = {k: v for k, v in DIMS.items() if k != "torch_dtype"}
+                payload = dict(dims=dims, dtype=args.dtype, device=args.device,
+                               torch=torch.__version__, h200_profile_s=H200, steps=args.steps,
                                warmup=args.warmup, world=dist.get_world_size(),
+                               command="python scripts/bench_probe.py " + " ".join(sys.argv[1:]),
                                results=results)
                 (out / "bench_probe.json").write_text(json.dumps(payload, indent=2))
         dist.barrier()
@@ -200,6 +222,10 @@ def launch(args) -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    if args.nproc is None:
+        import torch
+
+        args.nproc = max(torch.cuda.device_count(), 1) if args.device == "cuda" else 2
     procs = []
     for rank in range(args.nproc):
         env = dict(os.environ)
@@ -218,11 +244,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default=["fsdp2", "fsdp1"])
     parser.add_argument("--steps", type=int, default=12, help="timed steps (at least 10)")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--nproc", type=int, default=2, help="ranks to launch (not under torchrun)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks to launch (not under torchrun; cpu: 2, cuda: all GPUs)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo; cuda: NCCL, one GPU per rank")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--size", choices=list(SIZES), default="small",
+                        help="the report's Qwen2.5-shaped preset (default: small)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per rank")
+    parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--out", default=None, help="folder for bench_probe.json")
     args = parser.parse_args(argv)
     if args.steps < 10:
         parser.error("--steps must be at least 10")
+    import torch
+
+    DIMS.clear()
+    DIMS.update(SIZES[args.size], torch_dtype=getattr(torch, DTYPES[args.dtype]))
+    DIMS.update({k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len)) if v})
     return args
 
 

@@ -29,18 +29,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SIZES = {  # the report's presets (Qwen2.5 shapes for 1.5b)
-    "small": dict(layers=4, hidden=256, intermediate=704, heads=8, kv_heads=2,
-                  vocab=8192, tie=False, seq_len=128, batch=4),
-    "1.5b": dict(layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2,
-                 vocab=151936, tie=True, seq_len=2048, batch=1),
-}
+from fsdp_retain.report._config import DTYPES, SIZES  # noqa: E402 - the report's presets
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fsdp", type=int, choices=(1, 2), default=2)
-    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--size", choices=list(SIZES), default="small")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                        help="parameter (and gradient) dtype")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per rank")
+    parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--nproc", type=int, default=2, help="ranks to launch (ignored under torchrun)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -52,11 +51,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def dims_of(args) -> dict:
+    dims = dict(SIZES[args.size])
+    dims.update({k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len)) if v})
+    return dims
+
+
 def build(args, device):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    dims = SIZES[args.size]
+    dims = dims_of(args)
     config = Qwen2Config(
         vocab_size=dims["vocab"], hidden_size=dims["hidden"],
         intermediate_size=dims["intermediate"], num_hidden_layers=dims["layers"],
@@ -66,7 +71,7 @@ def build(args, device):
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config)
+        model = Qwen2ForCausalLM(config).to(getattr(torch, DTYPES[args.dtype]))
     layers = model.model.layers
     if args.fsdp == 2:
         from torch.distributed.fsdp import fully_shard
@@ -132,7 +137,7 @@ def run_rank(args) -> dict | None:
         device = torch.device("cpu")
         backend = "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
-    dims = SIZES[args.size]
+    dims = dims_of(args)
     gen = torch.Generator().manual_seed(1 + rank)
     ids = torch.randint(0, dims["vocab"], (dims["batch"], dims["seq_len"]), generator=gen).to(device)
     advantages = torch.randn(dims["batch"], generator=gen).to(device)
@@ -165,7 +170,8 @@ def run_rank(args) -> dict | None:
     without, with_check = (statistics.median(times[c]) * 1e3 for c in (False, True))
     return dict(
         command="python scripts/bench_saved_tensor_check.py " + " ".join(sys.argv[1:]),
-        fsdp=args.fsdp, size=args.size, device=args.device,
+        fsdp=args.fsdp, size=args.size, dtype=args.dtype, device=args.device,
+        batch=dims["batch"], seq_len=dims["seq_len"],
         world_size=int(os.environ["WORLD_SIZE"]), torch=torch.__version__,
         warmup=args.warmup, steps=args.steps,
         median_ms_without=round(without, 2), median_ms_with=round(with_check, 2),
@@ -178,7 +184,8 @@ def run_rank(args) -> dict | None:
 def report(result: dict) -> None:
     print(
         f"FSDP{result['fsdp']}, {result['world_size']} ranks, {result['device']}, "
-        f"size {result['size']}, torch {result['torch']}; {result['steps']} timed steps "
+        f"size {result['size']}, {result['dtype']}, batch {result['batch']} x "
+        f"{result['seq_len']}, torch {result['torch']}; {result['steps']} timed steps "
         f"each after {result['warmup']} warm-up; {result['saved_tensors_per_forward']} saved "
         f"tensors ({result['saved_mib_per_forward']} MiB) per forward"
     )

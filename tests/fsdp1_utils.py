@@ -11,7 +11,7 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from fsdp_retain._fsdp1_inspect import fsdp1_handles, unsharded_storage_bytes
-from tests.parity import Adapter, Block, world
+from tests.parity import Adapter, Block, device, world
 
 FULL = ShardingStrategy.FULL_SHARD
 GRAD_OP = ShardingStrategy.SHARD_GRAD_OP
@@ -47,7 +47,7 @@ def wrap(
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         sharding_strategy=strategy,
         use_orig_params=use_orig_params,
-        device_id=torch.device("cpu"),
+        device_id=device(),
         **kwargs,
     )
 

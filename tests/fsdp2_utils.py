@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from tests.parity import Adapter, world
+from tests.parity import Adapter, device, world
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -33,7 +33,7 @@ def wrap(
     **kwargs,
 ) -> nn.Module:
     """``fully_shard`` each block (or those listed), then the root (FSDP2's root default)."""
-    mesh = init_device_mesh("cpu", (world(),))
+    mesh = init_device_mesh(device().type, (world(),))
     for i, block in enumerate(model.blocks):
         if wrapped_blocks is not None and i not in wrapped_blocks:
             continue

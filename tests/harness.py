@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BACKEND_ENV = "FSDP_RETAIN_TEST_BACKEND"  # the ranks' process group: gloo (default) or nccl
 
 
 @dataclasses.dataclass
@@ -198,7 +199,13 @@ def _worker(module: str, out: Path, names: list[str]) -> int:
     # Known noise: CommDebugMode's module tracker, and FSDP2 on Linear outputs.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     warnings.filterwarnings("ignore", message=".*returned a view tensor")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    # scripts/gpu_validate.py runs device-aware cases on NCCL, one GPU per rank.
+    backend = os.environ.get(BACKEND_ENV, "gloo")
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     mod = importlib.import_module(module)
     results: dict[str, dict] = {}
     path = out / f"results_rank{rank}.json"

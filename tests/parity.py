@@ -33,6 +33,14 @@ def world() -> int:
     return dist.get_world_size()
 
 
+def device() -> torch.device:
+    """The ranks' device: the current CUDA device under NCCL (``scripts/gpu_validate.py``),
+    else the CPU (the suite, on gloo)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Block(nn.Module):
     """Residual MLP block; the hidden width (2d+1) does not divide by world size."""
 
@@ -64,12 +72,12 @@ class Net(nn.Module):
 
 def make_net(depth: int = 3, tied: bool = False, dim: int = DIM) -> Net:
     torch.manual_seed(42)
-    return Net(dim, depth, tied)
+    return Net(dim, depth, tied).to(device())
 
 
 def batch(step: int, dim: int = DIM) -> torch.Tensor:
     gen = torch.Generator().manual_seed(42 + rank() + 1 + 1000 * step)
-    return torch.randn(BATCH, dim, generator=gen)
+    return torch.randn(BATCH, dim, generator=gen).to(device())
 
 
 def _loss0(out: torch.Tensor) -> torch.Tensor:
@@ -77,7 +85,7 @@ def _loss0(out: torch.Tensor) -> torch.Tensor:
 
 
 def _loss1(out: torch.Tensor) -> torch.Tensor:
-    weight = torch.linspace(-1.0, 1.0, out.shape[-1])
+    weight = torch.linspace(-1.0, 1.0, out.shape[-1], device=out.device)
     return (torch.tanh(out) * weight).sum() / out.shape[0]
 
 
