@@ -85,6 +85,21 @@ class LaunchResult:
         return "\n".join(parts)
 
 
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def run_retrying_exit_abort(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` (output captured as text), once more only when it ended in
+    gloo's exit-time abort: a rank killed at interpreter exit after the script's own
+    checks passed. That abort is torch's (docs/limits.md); any other failure is final.
+    """
+    for _ in range(2):
+        proc = subprocess.run(args, capture_output=True, text=True, **kwargs)
+        if proc.returncode == 0 or EXIT_ABORT not in proc.stdout + proc.stderr:
+            break
+    return proc
+
+
 def timeout_scale() -> float:
     return float(os.environ.get("FSDP_RETAIN_TIMEOUT_SCALE", "1"))
 

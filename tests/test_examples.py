@@ -42,13 +42,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.harness import ROOT, timeout_scale
+from tests.harness import ROOT, run_retrying_exit_abort, timeout_scale
 
 EXAMPLES = ROOT / "examples"
 COUNT_BLOCKS = str(ROOT / "tests" / "count_blocks.py")
 CPU_FSDP = str(ROOT / "tests" / "accelerate_cpu_fsdp.py")
 TIMEOUT = 300 * timeout_scale()
-_EXIT_ABORT = "terminate called without an active exception"
 
 
 def _free_port() -> int:
@@ -66,16 +65,7 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
         PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
     )
     full_env.update(env or {})
-    for _ in range(2):
-        proc = subprocess.run(
-            args, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=TIMEOUT
-        )
-        # gloo sometimes aborts a rank at interpreter exit, after the script's own
-        # checks passed (a joinable thread destroyed at exit; seen about once in 50
-        # launches, even with a barrier before destroy_process_group): run it again.
-        if proc.returncode == 0 or _EXIT_ABORT not in proc.stdout + proc.stderr:
-            break
-    return proc
+    return run_retrying_exit_abort(args, cwd=ROOT, env=full_env, timeout=TIMEOUT)
 
 
 def _torchrun(script: str, *script_args: str) -> subprocess.CompletedProcess:

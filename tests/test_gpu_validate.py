@@ -80,7 +80,7 @@ def test_summary_headline_table_has_numbers(dry_run):
     number = r"-?\d+(\.\d+)?"
     for backend in ("fsdp2", "fsdp1"):
         for mode in MODES:
-            line = next((l for l in text.splitlines() if l.startswith(f"| {backend} | `{mode}` |")),
+            line = next((row for row in text.splitlines() if row.startswith(f"| {backend} | `{mode}` |")),
                         None)
             assert line is not None, (backend, mode, text)
             cells = [c.strip() for c in line.strip("|").split("|")][2:]
