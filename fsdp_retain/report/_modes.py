@@ -116,10 +116,18 @@ def mode_legend(label: str, *, short: bool = False) -> str:
     mode = Mode.parse(label)
     if not mode.uses_library:
         return mode.spec.what
-    options = {key: value for key, value in mode.block_options().items()
-               if not (short and key == "backwards")}
-    text = ", ".join(f'{key}="{value}"' if isinstance(value, str) else f"{key}={value}"
-                     for key, value in options.items())
+    budget = mode.spec.budget
+    options: dict[str, object] = {
+        key: value for key, value in mode.block_options(0 if budget is not None else None).items()
+        if not (short and key == "backwards")
+    }
+    if budget is not None:
+        options["keep_unsharded"] = f"<{budget:.0%} of the unsharded parameter bytes>"
+    text = ", ".join(
+        f"{key}={value}" if not isinstance(value, str) or value.startswith("<")
+        else f'{key}="{value}"'
+        for key, value in options.items()
+    )
     if not short:
         text = f"no_reshard_between_backwards(model, {text})"
     if mode.spec.probe:
