@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._modes import mode_legend
+from ._modes import MODES, mode_legend
 
 __all__ = ["render_fit_table", "render_markdown", "render_png", "write_report"]
 
@@ -290,7 +290,8 @@ def render_png(report: dict[str, Any], path: Path) -> None:
     names = [r["backend"] + "\n" + r["label"].replace(":", "\n") for r in rows]
     xs = list(range(len(rows)))
     timed = not cfg["simulated"]
-    panels = 2 if timed else 1
+    curves = _tradeoff_curves(rows)
+    panels = (2 if timed else 1) + (1 if curves else 0)
     width = max(8.0, 1.2 * len(rows)) * panels / 1.4
     labels = list(dict.fromkeys(r["label"] for r in rows))
     legend_in = 0.2 + 0.16 * len(labels)  # inches under the panels for the mode legend
@@ -326,6 +327,8 @@ def render_png(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("median step time (ms)")
         ax.set_title("Median step time\n(dashed: two_forward minus its 2nd forward)", fontsize=10)
         ax.set_xticks(xs, names, fontsize=7)
+    if curves:
+        _plot_tradeoff(axes[0][panels - 1], curves, unit, size, timed)
     simulated = " (simulated)" if cfg["simulated"] else ""
     fig.suptitle(
         f"{cfg['model']} {cfg['param_count'] / 1e6:.1f}M params, {cfg['dtype']}, "
@@ -338,6 +341,46 @@ def render_png(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout(rect=(0, legend_in / height, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _tradeoff_curves(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Per (backend, sync_grads): regather, the byte budgets and keep, in budget order;
+    only where at least three of them ran."""
+    order = {"regather": 0.0, "keep": 1.0}
+    curves: dict[tuple[str, str], list[tuple[float, dict]]] = {}
+    for row in rows:
+        budget = order.get(row["mode"])
+        if budget is None:
+            spec = MODES.get(row["mode"])
+            budget = spec.budget if spec is not None else None
+        if budget is None or not row["ok"] or row["memory_overhead_bytes"] is None:
+            continue
+        curves.setdefault((row["backend"], row["sync_grads"]), []).append((budget, row))
+    return {key: [row for _, row in sorted(points, key=lambda p: p[0])]
+            for key, points in curves.items() if len(points) >= 3}
+
+
+def _plot_tradeoff(ax, curves, unit: str, size: float, timed: bool) -> None:
+    """Extra memory against all-gathers per step (and step time, when timed): from
+    regather through the byte budgets to keep."""
+    for (backend, sync), points in curves.items():
+        xs = [p["memory_overhead_bytes"] / size for p in points]
+        ys = [p["all_gathers_per_step"] or 0 for p in points]
+        (line,) = ax.plot(xs, ys, marker="o", label=f"{backend} {sync}: all-gathers")
+        for x, y, p in zip(xs, ys, points):
+            ax.annotate(p["mode"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        if timed:
+            twin = getattr(ax, "_fsdp_retain_twin", None) or ax.twinx()
+            ax._fsdp_retain_twin = twin
+            times = [1e3 * (p["step_time_s"] or 0) for p in points]
+            twin.plot(xs, times, ls="--", marker="x", color=line.get_color(),
+                      label=f"{backend} {sync}: step (ms)")
+            twin.set_ylabel("median step time (ms, dashed)")
+    ax.set_xlabel(f"peak memory vs two_forward ({unit})")
+    ax.set_ylabel("all-gathers per step (solid)")
+    ax.set_title("keep_unsharded: memory against communication\n"
+                 "(regather -> byte budgets -> keep)", fontsize=10)
+    ax.legend(fontsize=6, loc="upper right")
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> dict[str, Any]:

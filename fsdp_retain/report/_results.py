@@ -33,7 +33,10 @@ def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dic
             "label": mode.label,
             "backend": backend,
             "sync_grads": mode.sync_grads,
-            "keep_unsharded": (mode.spec.block or {}).get("keep_unsharded"),
+            "keep_unsharded": (
+                mode.block_options(meta.get("unsharded_param_bytes") or 0)["keep_unsharded"]
+                if mode.uses_library else None
+            ),
             "backwards": BACKWARDS if mode.uses_library else None,
             "ok": error is None,
             "error": error,
