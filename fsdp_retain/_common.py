@@ -106,6 +106,7 @@ import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ._saved_tensors import SavedTensorCheck
+from ._step_guard import refuse_step
 
 _SYNC_GRADS = ("every", "last")
 
@@ -254,6 +255,7 @@ class BlockBase:
     probing: bool = False
     _exited: bool = False
     _saved_check: SavedTensorCheck | None = None
+    _step_hook: Any = None
 
     if TYPE_CHECKING:  # implemented by each backend
 
@@ -397,6 +399,8 @@ class BlockBase:
         raise NotImplementedError
 
     def enter(self) -> None:
+        # See [Note: why an optimizer step inside the block is refused].
+        self._step_hook = refuse_step(self.model)
         if self.options.check_saved_tensors:
             self._saved_check = SavedTensorCheck()
             self._saved_check.push()
@@ -413,7 +417,7 @@ class BlockBase:
             try:
                 self._uninstall()
             finally:
-                self._pop_saved_check()
+                self._pop_guards()
             raise
 
     def exit(self, exc: BaseException | None) -> None:
@@ -430,9 +434,12 @@ class BlockBase:
             try:
                 self._uninstall()
             finally:
-                self._pop_saved_check()
+                self._pop_guards()
 
-    def _pop_saved_check(self) -> None:
+    def _pop_guards(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
         # The graph keeps the hooks it already has; see
         # [Note: why a retained graph can silently read changed saved tensors].
         if self._saved_check is not None:
