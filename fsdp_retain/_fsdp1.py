@@ -108,6 +108,8 @@ _RUNTIME_FUNCTIONS = (
     "_post_backward_hook",
     "_post_backward_final_callback",
     "_post_backward_reshard",
+    "_prefetch_handle",
+    "_PrefetchMode",
     "_register_post_backward_final_callback",
     "_reset_flat_param_grad_info_if_needed",
     "_reshard",
@@ -597,6 +599,9 @@ class FSDP1Block(GradBookkeeping, BlockBase):
                 fsdp.unshard(state, handle, state._unshard_stream, state._pre_unshard_stream)
             state._device_handle.current_stream().wait_stream(state._unshard_stream)
         handle._needs_pre_backward_unshard = False
+        # FSDP's hook, which now returns early, would prefetch the unit next in
+        # backward order here (a re-gathered unit after a kept one).
+        fsdp.prefetch_handle(state, handle, fsdp.PrefetchMode.BACKWARD)
         handle.prepare_gradient_for_backward()
         handle._ran_pre_backward_hook = True
 

@@ -17,6 +17,11 @@ gathers every unit (``n``); pass 1 re-gathers the units freed after forward that
 are not kept (the blocks not kept, for FULL_SHARD and FSDP2; none for
 SHARD_GRAD_OP; never the root, which no backend frees after forward); every later
 pass re-gathers every unit not kept (``n - k``).
+
+The prefetch cases record, in each pass, the all-gathers issued against the
+moment each unit's first module finishes its backward: a re-gathered unit's
+all-gather must come while the unit before it computes (FSDP1 skipped that
+after a kept unit, whose pre-backward the block runs at the pass start).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import functools
 import itertools
 
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_retain import no_reshard_between_backwards
 from fsdp_retain._fsdp1_inspect import fsdp1_handles
@@ -168,3 +174,78 @@ for _backend, _k in itertools.product(STRATEGIES, (1, 2)):
         f"budget_{_backend}_kept{_k}_probe_first",
         functools.partial(budget_case, _backend, _k, 3, "every", False, True),
     )
+
+
+class _AllGathers(TorchDispatchMode):
+    """Appends ``"ag"`` to ``events`` for each all-gather op dispatched."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith("c10d.") and "allgather" in str(func).replace("_", ""):
+            self.events.append("ag")
+        return func(*args, **(kwargs or {}))
+
+
+def _timeline(model: nn.Module, events: list[str]):
+    """Records ``"ag"`` per all-gather issued and ``"<unit>"`` when the first module of
+    a unit's backward is done (a full backward hook: after that unit's pre-backward
+    hook, before the next unit's)."""
+    import contextlib
+
+    firsts = [("root", model.out)] + [(f"blocks.{i}", model.blocks[i].fc2) for i in (2, 1, 0)]
+    handles = [
+        module.register_full_backward_hook(lambda m, gi, go, name=name: events.append(name))
+        for name, module in firsts
+    ]
+    stack = contextlib.ExitStack()
+    stack.enter_context(_AllGathers(events))
+    stack.callback(lambda: [h.remove() for h in handles])
+    return stack
+
+
+def prefetch_case(backend: str, k: int) -> None:
+    """In every pass, each re-gathered unit's all-gather is issued while
+    the unit before it in backward order computes (prefetched), not at its own
+    pre-backward: when the first module of the ``j``-th unit's backward is done,
+    the pass has issued at least the all-gathers of the re-gathered units among
+    the first ``j + 2`` in backward order (without prefetch: among the first
+    ``j + 1``), and at most one more (a kept unit prepared at the pass start
+    prefetches from there; nothing is gathered further ahead). Pass 1
+    re-gathers the units freed after forward that are not kept (no root; nothing
+    under SHARD_GRAD_OP), later passes every unit not kept."""
+    model, _, _ = _wrap(backend)
+    order = units_in_backward_order(model, backend)
+    budget = sum(nbytes for _, nbytes in order[:k])
+    later = [name for name, _ in order[k:]]
+    first = [] if backend == "fsdp1_gradop_orig" else [n for n in later if n != "root"]
+    names = [name for name, _ in order]
+    events: list[str] = []
+    with _timeline(model, events):
+        with no_reshard_between_backwards(model, keep_unsharded=budget):
+            out = model(batch(0))
+            for i in (0, 1, 2):
+                events.append("pass")
+                LOSSES[i](out).backward(retain_graph=i < 2)
+    passes = "|".join(events).split("pass|")[1:]
+    for p, text in enumerate(passes, start=1):
+        regathered = first if p == 1 else later
+        issued, at_mark = 0, {}
+        for event in filter(None, text.split("|")):
+            if event == "ag":
+                issued += 1
+            elif event not in at_mark:
+                at_mark[event] = issued
+        expected = {
+            name: sum(n in regathered for n in names[: j + 2]) for j, name in enumerate(names)
+        }
+        assert all(expected[n] <= at_mark[n] <= expected[n] + 1 for n in names), (
+            f"pass {p}, kept {k}: all-gathers issued when each unit's first module is done "
+            f"{at_mark}, prefetched: {expected} or one more (timeline {text})"
+        )
+
+
+for _backend, _k in itertools.product(STRATEGIES, (0, 1, 2)):
+    registry.add(f"prefetch_{_backend}_kept{_k}", functools.partial(prefetch_case, _backend, _k))
