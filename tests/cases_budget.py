@@ -104,7 +104,6 @@ def budget_case(backend: str, k: int, passes: int, sync: str, zero: bool, probe:
     n = len(order)
     budget = sum(nbytes for _, nbytes in order[:k])
     kept = {name for name, _ in order[:k]}
-    seen_between: list[set[str]] = []
     options = dict(keep_unsharded=budget, sync_grads=sync)
     if probe:
         # Pass 1 a probe pass, through the block's own call.
@@ -128,10 +127,10 @@ def budget_case(backend: str, k: int, passes: int, sync: str, zero: bool, probe:
     with no_reshard_between_backwards(model, **options):
         out = model(batch(9))
         LOSSES[0](out).backward(retain_graph=True)
-        seen_between.append(unsharded_units(model, backend))
+        between = unsharded_units(model, backend)
         LOSSES[1](out).backward()
     model.zero_grad()
-    assert seen_between[0] == kept, f"unsharded between passes {seen_between[0]}, kept {kept}"
+    assert between == kept, f"unsharded between passes {between}, kept {kept}"
 
 
 def _probe_then_parity(model, ref, adapter, backend, options, kept, passes) -> None:

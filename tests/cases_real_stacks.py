@@ -12,7 +12,9 @@ here, with the stack in its name and docstring.
   ``use_orig_params``, one unit per ``Qwen2DecoderLayer`` plus the root; FSDP2
   the same way. The RL step: ``-logp.mean()`` backward, ``p.grad = None``,
   then a position-weighted log-prob loss; or pass 1 as a probe pass, whose
-  activation hooks must see the reference's gradients. Every option.
+  activation hooks must see the reference's gradients. Every option, also
+  ``keep_unsharded`` as a byte budget (half the model: the root and the last
+  layer kept, two layers re-gathered per pass).
 - **torch.utils.checkpoint(..., use_reentrant=True)** inside each unit and
   around each FSDP1 unit.
 - **A forward before the block** (``out = model(x)`` above the ``with``):
@@ -67,9 +69,14 @@ OPTIONS = [(True, "every"), (True, "last"), (False, "every"), (False, "last")]
 VOCAB, SEQ, BATCH = 64, 8, 2
 STEPS = 3
 TOL = dict(rtol=1e-4, atol=1e-5)
+# keep_unsharded as a byte budget of half the model's unsharded parameter bytes: the
+# root and the last decoder layer are kept, the other two layers re-gathered per pass.
+HALF = "half"
 
 
-def _opt_tag(keep: bool, sync: str) -> str:
+def _opt_tag(keep, sync: str) -> str:
+    if keep == HALF:
+        return f"budget_half_{sync}"
     return f"{'keep' if keep else 'regather'}_{sync}"
 
 
@@ -174,6 +181,9 @@ def hf_rl_parity(
     """Three RL steps (log-prob loss, grads set to None, weighted loss) match the reference."""
     model = tiny_qwen2(ckpt) if make is None else make(ckpt)
     ref = copy.deepcopy(model)
+    budget = keep == HALF
+    if budget:
+        keep = sum(p.numel() * p.element_size() for p in ref.parameters()) // 2
     model = wrap(model)
     opt, ref_opt = sgd(model), sgd(ref)
     hooks, ref_hooks = ActivationGrads(model), ActivationGrads(ref)
@@ -199,6 +209,8 @@ def hf_rl_parity(
                 param.grad = None
             weighted_loss(logp).backward()
             hooks.take()
+        if budget:  # the root and the last layer of four units
+            assert len(block._kept) == 2, f"kept {len(block._kept)} units, not 2"
         where = f"step {step}"
         assert sorted(first) == sorted(ref_first) == [0, 1, 2], (sorted(first), sorted(ref_first))
         for index in ref_first:
@@ -252,6 +264,15 @@ def _add_hf_cases() -> None:
             _add_hf_case(ckpt, "fsdp2", None, False, keep, sync, probe)
     for keep, sync in OPTIONS[:2]:  # non-reentrant without probe, for contrast
         _add_hf_case("nonreentrant", "fsdp1", f1.FULL, True, keep, sync, False)
+    # keep_unsharded as a byte budget (some units kept, the others re-gathered).
+    for (ckpt, probe), sync in itertools.product(
+        (("reentrant", False), ("nonreentrant", True)), ("every", "last")
+    ):
+        for strategy, uop in ((f1.FULL, True), (f1.FULL, False), (f1.GRAD_OP, True)):
+            _add_hf_case(ckpt, "fsdp1", strategy, uop, HALF, sync, probe)
+        _add_hf_case(ckpt, "fsdp2", None, False, HALF, sync, probe)
+        if ckpt == "reentrant":
+            _add_hf_case(ckpt, "fsdp1", f1.HYBRID, True, HALF, sync, probe, (4,))
 
 
 _add_hf_cases()

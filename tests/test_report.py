@@ -33,7 +33,7 @@ OPTIONAL_KEYS = (
     "all_gathers_per_step", "reduce_scatters_per_step", "all_gather_bytes_per_step",
     "reduce_scatter_bytes_per_step", "time_ratio", "saved_time_s", "ideal_saving_s",
     "share_of_ideal_saving", "memory_overhead_bytes", "memory_bound_bytes", "within_bound",
-    "backward1_time_s",
+    "backward1_time_s", "prefetched_all_gathers",
 )
 BREAKDOWN_KEYS = {"sharded_params", "unsharded_params", "grads", "activations", "other"}
 
@@ -119,6 +119,48 @@ def test_fsdp1_library_rows_ok_or_clear_error(report):
             assert r["ok"], r["error"]
         else:
             assert not r["ok"] and "_fsdp1" in r["error"], r["error"]
+
+
+def test_backward_all_gathers_prefetched(report):
+    """``regather`` re-gathers every unit in each pass, each all-gather issued while the
+    unit before runs its backward, as plain FSDP does in its one backward
+    (``two_forward``); ``keep`` re-gathers nothing."""
+    rep, _ = report
+    for backend, label in itertools.product(BACKENDS, ("two_forward", "regather:every")):
+        r = row(rep, backend, label)
+        if not r["ok"]:
+            continue  # test_fsdp1_library_rows_ok_or_clear_error says why
+        done, could = r["prefetched_all_gathers"]
+        # Units after the first in backward order, in both passes.
+        assert could == 2 * (r["fsdp_units"] - 1) and done == could, (backend, label, done, could)
+    for backend in BACKENDS:
+        r = row(rep, backend, "keep:every")
+        if r["ok"]:
+            assert r["prefetched_all_gathers"] == [0, 0], r["prefetched_all_gathers"]
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_prefetch_counts_from_a_timeline(prefetch):
+    """Root and three layers; the root and the last layer kept, the others re-gathered."""
+    from fsdp_retain.report._prefetch import prefetch_counts
+
+    root, layer = 100, 10
+    forward = [("ag", root)] + [("ag", layer)] * 3
+    regather = (
+        [("ag", root), ("ag", layer), ("mark", 0), ("ag", layer), ("mark", 1),
+         ("ag", layer), ("mark", 2), ("mark", 3)]
+        if prefetch else
+        [("ag", root), ("mark", 0), ("ag", layer), ("mark", 1), ("ag", layer), ("mark", 2),
+         ("ag", layer), ("mark", 3)]
+    )
+    budget = (
+        [("mark", 0), ("ag", layer), ("mark", 1), ("ag", layer), ("mark", 2), ("mark", 3)]
+        if prefetch else
+        [("mark", 0), ("mark", 1), ("ag", layer), ("mark", 2), ("ag", layer), ("mark", 3)]
+    )
+    second_forward = [("gap", None), ("ag", root), ("ag", layer), ("pass", None)]
+    events = forward + [("pass", None)] + regather + second_forward + budget
+    assert prefetch_counts(events, 4) == ((5, 5) if prefetch else (0, 5))
 
 
 def expected_collectives(mode: Mode, units: int) -> tuple[int, int]:

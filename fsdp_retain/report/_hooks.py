@@ -39,10 +39,16 @@ class TrackerHooks(StepHooks):
 
 
 class CountHooks(StepHooks):
-    """Counts collectives per forward (``CommDebugMode`` cannot see two forwards at once)."""
+    """Counts collectives per forward (``CommDebugMode`` cannot see two forwards at once),
+    and passes the step's phases to ``timeline`` (a ``PrefetchTimeline``) if given."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeline: Any = None) -> None:
         self.parts: list[Any] = []
+        self.timeline = timeline
+
+    def mark(self, name: str) -> None:
+        if self.timeline is not None:
+            self.timeline.mark(name)
 
     @contextlib.contextmanager
     def segment(self) -> Iterator[None]:

@@ -113,8 +113,8 @@ def _time_table(rows: list[dict]) -> list[str]:
         "## Time and communication (per step)",
         "",
         "| backend | mode | step (ms) | vs two_forward | saved (ms) | share of ideal saving "
-        "| all-gathers | all-gather MiB | reduce-scatters | reduce-scatter MiB |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| all-gathers | all-gather MiB | prefetched | reduce-scatters | reduce-scatter MiB |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for row in rows:
         if row["mode"] == "two_forward":
@@ -125,10 +125,18 @@ def _time_table(rows: list[dict]) -> list[str]:
             row["backend"], _mode_cell(row), _ms(row["step_time_s"]),
             _num(row["time_ratio"], "{:.2f}x"), *saving,
             _num(row["all_gathers_per_step"], "{}"), _mib(row["all_gather_bytes_per_step"]),
+            _prefetched(row.get("prefetched_all_gathers")),
             _num(row["reduce_scatters_per_step"], "{}"), _mib(row["reduce_scatter_bytes_per_step"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _prefetched(pair) -> str:
+    """``prefetched/could be`` backward all-gathers; ``-`` when none was re-gathered."""
+    if not pair or not pair[1]:
+        return "-"
+    return f"{pair[0]}/{pair[1]}"
 
 
 def _probe_lines(rows: list[dict]) -> list[str]:
@@ -222,7 +230,10 @@ def _notes(cfg: dict, rows: list[dict]) -> list[str]:
             "communication the ideal does not count (the backward re-gathers of units that "
             "resharded after forward).",
             "- Collectives: one step under `CommDebugMode`; bytes are the unsharded side per "
-            "rank (all-gather output, reduce-scatter input).",
+            "rank (all-gather output, reduce-scatter input). Prefetched: of the backward "
+            "all-gathers of units after the first in backward order, how many were issued "
+            "while the unit before ran its backward (FSDP's backward prefetch) rather than at "
+            "the unit's own pre-backward hook (see `fsdp_retain/report/_prefetch.py`).",
         ]
         if cfg["world_size"] == 1 and "fsdp1" in cfg["backends"]:
             notes.append(

@@ -62,6 +62,8 @@ def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dic
             "all_reduces_per_step": None,
             "all_gather_bytes_per_step": None,
             "reduce_scatter_bytes_per_step": None,
+            # [prefetched, could be] backward all-gathers (FSDP on real ranks).
+            "prefetched_all_gathers": None,
         }
         if error is None:
             peaks = [r.get("peak_bytes") for r in results]
@@ -90,6 +92,9 @@ def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dic
                     all_gather_bytes_per_step=counts.get("all_gather_bytes", 0),
                     reduce_scatter_bytes_per_step=counts.get("reduce_scatter_bytes", 0),
                 )
+            prefetch = first.get("prefetch")
+            if prefetch is not None:
+                row["prefetched_all_gathers"] = list(prefetch)
         rows.append(row)
     return rows
 

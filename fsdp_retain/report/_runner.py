@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
@@ -19,6 +20,7 @@ from ._memory import make_tracker
 from ._fit import unit_bytes
 from ._model import build_model, decoder_layers, fsdp_units, make_batch, param_bytes, wrap
 from ._modes import MARKED_MODES, Mode
+from ._prefetch import PrefetchTimeline
 from ._step import train_step
 
 TRACEBACKS_ENV = "FSDP_RETAIN_REPORT_TRACEBACKS"  # set to print each failure's traceback
@@ -223,9 +225,18 @@ class BackendRun:
             result["times"].append(elapsed)
 
     def count(self, mode: Mode) -> None:
-        hooks = CountHooks()
-        train_step(self.model, self.optimizer, self.batch, mode, hooks, self.unsharded)
+        # Which backward all-gathers were prefetched (FSDP on real ranks only).
+        timeline = (
+            PrefetchTimeline(self.model, decoder_layers(self.model))
+            if self.backend != "deepspeed" and self.cfg.simulate_world_size is None
+            else None
+        )
+        hooks = CountHooks(timeline)
+        with timeline.recording() if timeline is not None else contextlib.nullcontext():
+            train_step(self.model, self.optimizer, self.batch, mode, hooks, self.unsharded)
         self.results[mode.label]["counts"] = hooks.totals()
+        if timeline is not None:
+            self.results[mode.label]["prefetch"] = timeline.counts()
 
     def memory(self, mode: Mode) -> None:
         import torch
