@@ -30,6 +30,7 @@ same checkpointing, gradients averaged over ranks) over 3 SGD-momentum steps.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
@@ -176,9 +177,13 @@ class ActivationGrads:
 
 
 def hf_rl_parity(
-    wrap, adapter, ckpt: str, keep: bool, sync: str, probe: bool, make=None
+    wrap, adapter, ckpt: str, keep, sync: str, probe: bool, make=None,
+    forward_ctx=contextlib.nullcontext, **block_kwargs,
 ) -> None:
-    """Three RL steps (log-prob loss, grads set to None, weighted loss) match the reference."""
+    """Three RL steps (log-prob loss, grads set to None, weighted loss) match the reference.
+
+    ``forward_ctx`` wraps both forwards (e.g. activation offload); ``block_kwargs``
+    go to the block next to ``keep_unsharded`` and ``sync_grads``."""
     model = tiny_qwen2(ckpt) if make is None else make(ckpt)
     ref = copy.deepcopy(model)
     budget = keep == HALF
@@ -189,7 +194,8 @@ def hf_rl_parity(
     hooks, ref_hooks = ActivationGrads(model), ActivationGrads(ref)
     for step in range(STEPS):
         ids = tokens(step)
-        logp = token_logp(ref, ids)
+        with forward_ctx():
+            logp = token_logp(ref, ids)
         logp_loss(logp).backward(retain_graph=True)
         ref_first = ref_hooks.take()
         ref.zero_grad(set_to_none=True)
@@ -201,8 +207,11 @@ def hf_rl_parity(
         ref_opt.step()
         ref_opt.zero_grad()
 
-        with no_reshard_between_backwards(model, keep_unsharded=keep, sync_grads=sync) as block:
-            logp = token_logp(model, ids)
+        with no_reshard_between_backwards(
+            model, keep_unsharded=keep, sync_grads=sync, **block_kwargs
+        ) as block:
+            with forward_ctx():
+                logp = token_logp(model, ids)
             block.backward(logp_loss(logp), param_grads=not probe, retain_graph=True)
             first = hooks.take()
             for param in model.parameters():
