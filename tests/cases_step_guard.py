@@ -32,12 +32,13 @@ from tests.harness import Registry
 from tests.parity import (
     LOSSES,
     OPTION_GRID,
+    Scenario,
     assert_close_dicts,
-    averaged_grads,
     batch,
     block_options,
     make_net,
     reference_copy,
+    reference_step,
     sgd,
 )
 
@@ -79,15 +80,7 @@ def _refused_then_parity(backend: str, keep: bool, sync: str, where: str) -> Non
     opt, ref_opt = sgd(model), sgd(ref)
     for step in range(STEPS):
         x = batch(step)
-        out = ref(x)
-        LOSSES[0](out).backward(retain_graph=True)
-        LOSSES[1](out).backward()
-        grads = averaged_grads(ref)
-        for name, param in ref.named_parameters():
-            param.grad = grads[name]
-        ref_opt.step()
-        ref_opt.zero_grad()
-
+        reference_step(ref, ref_opt, x, Scenario(passes=2))
         with no_reshard_between_backwards(model, **block_options(keep, sync)):
             out = model(x)
             LOSSES[0](out).backward(retain_graph=True)
