@@ -3,7 +3,8 @@
 
 Called by scripts/torch_matrix.sh after each version; the results live in
 docs/compat.json (one entry per torch version, the latest run wins), and the
-markdown table is rendered from them.
+markdown table is rendered from them. An entry's ``note`` (written by hand, e.g. a
+failure and its fix) is listed under the table; a new run of that version drops it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def render(entries: dict[str, dict]) -> str:
             f"{c['failed']} | {c['skipped']} | {c['error']} | {e['seconds'] / 60:.1f} min | "
             f"{e['date']} | {e.get('commit', '?')} | `{e['command']}` |"
         )
+    notes = [f"- {v}: {entries[v]['note']}" for v in sorted(entries, key=_version_key)
+             if entries[v].get("note")]
+    if notes:
+        lines += ["", *notes]
     lines += ["", "Python " + platform.python_version() + ", " + platform.machine() + ".", ""]
     return "\n".join(lines)
 
