@@ -179,7 +179,11 @@ def _hook_removed_on_error(backend: str) -> None:
         with no_reshard_between_backwards(model):
             out = model(batch(0))
             LOSSES[0](out).backward()
+            _refused(opt)
             raise KeyError("user code failed")
+    for group in opt.param_groups:  # whatever the exception exit left in .grad
+        for param in group["params"]:
+            param.grad = torch.ones_like(param)
     assert _stepped(opt), "the step was refused"
 
 
