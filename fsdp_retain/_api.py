@@ -9,7 +9,9 @@ from typing import Literal, Protocol
 import torch
 import torch.nn as nn
 
-from ._common import ACTIVE_ATTR, BlockBase, RetainOptions, first_wrapped_submodule
+from ._common import ACTIVE_ATTR, first_wrapped_submodule
+from ._lifecycle import BlockBase
+from ._policy import RetainOptions
 
 SyncGrads = Literal["every", "last"]
 
@@ -69,7 +71,7 @@ def fsdp_flavour(module: nn.Module) -> str | None:
 
     if isinstance(module, FullyShardedDataParallel):
         return "fsdp1"
-    from ._fsdp2 import is_fsdp2_module
+    from ._fsdp2_compat import is_fsdp2_module
 
     if is_fsdp2_module(module):
         return "fsdp2"

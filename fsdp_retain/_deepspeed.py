@@ -45,14 +45,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._common import (
-    BlockBase,
-    PassTracker,
-    RetainOptions,
-    create_graph_needs_keep,
-    grad_tensors,
-    missing_internal,
-)
+from ._common import grad_tensors, queue_callback, require_attr
+from ._lifecycle import BlockBase
+from ._policy import RetainOptions
 
 _RELEASE = "_PartitionedParameterCoordinator__release_param"
 _COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")
@@ -65,10 +60,7 @@ def _flavour() -> str:
 
 
 def _require(obj: object, name: str) -> Any:
-    try:
-        return getattr(obj, name)
-    except AttributeError:
-        raise missing_internal(f"{type(obj).__name__}.{name}", _flavour()) from None
+    return require_attr(obj, name, _flavour())
 
 
 def is_deepspeed_engine(model: object) -> bool:
@@ -126,15 +118,13 @@ class DeepSpeedBlock(BlockBase):
                 "stage3_max_reuse_distance bound what it keeps."
             )
         check_engine(engine)
-        self.model = engine
-        self.options = options
-        self.tracker = PassTracker(options.backwards)
+        super().__init__(engine, options)
+        self._all_kept = self.policy.keeps_all
         self._optimizer = engine.optimizer
         offload = _require(self._optimizer, "parameter_offload")
         self._coordinator = _require(offload, "get_param_coordinator")()
         self._root: nn.Module = _require(engine, "module")
         self._hooks: list[Any] = []
-        self._unit_inputs = {}
         self._counters: dict[nn.Module, tuple[int, int]] = {}
         self._task: int | None = None
         self._reduced = False  # a pass of this block reduce-scattered
@@ -146,7 +136,7 @@ class DeepSpeedBlock(BlockBase):
     def _root_decided(self) -> bool:
         return True
 
-    def _install_at_first_forward(self, module: nn.Module, args: Any) -> None:
+    def _init_root(self) -> None:
         raise AssertionError("a DeepSpeed engine is set up by deepspeed.initialize")
 
     def _install(self) -> None:
@@ -156,17 +146,17 @@ class DeepSpeedBlock(BlockBase):
         self._saved_coalesce = _require(self._optimizer, "_coalesce_grad_reduction")
         release = _require(self._coordinator, _RELEASE)
         self._installed = True
-        if self.options.keep_unsharded:
+        if self.policy.keeps_all:
             setattr(self._coordinator, _RELEASE, _keep_gathered)
-        if self.options.sync_grads == "last":
+        if self.policy.holds_back:
             self._optimizer._coalesce_grad_reduction = True
         self._release = release
         self.model.step = _step_inside_block
         self._hooks.append(self._root.register_forward_hook(self._hook_outputs))
         for module in self._root.modules():
             if "pre_bwd_fn" in module.__dict__:
-                self._hooks.append(self.capture_unit_inputs(module))
-        self._hooks.extend(self.capture_sources(self._root))
+                self._hooks.append(self.probe_targets.hook_unit(module))
+        self._hooks.extend(self.probe_targets.hook_sources(self._root))
 
     def _uninstall(self) -> None:
         for handle in self._hooks:
@@ -211,9 +201,6 @@ class DeepSpeedBlock(BlockBase):
                 setattr(module, name, 0)
         self._counters.clear()
 
-    def _in_backward(self) -> bool:
-        return torch._C._current_graph_task_id() != -1
-
     # Pass boundaries #
     def _hook_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or self._in_backward():
@@ -226,21 +213,18 @@ class DeepSpeedBlock(BlockBase):
         if task != self._task:
             self._task = task
             self._on_pass_start()
-            from torch.autograd import Variable
+            queue_callback(self._on_pass_end)
 
-            Variable._execution_engine.queue_callback(self._on_pass_end)
+    def on_backward_start(self) -> None:
+        """Passes start at the engine's outputs (``_on_output_grad``)."""
 
     def _on_pass_start(self) -> None:
-        opts = self.options
-        if torch.is_grad_enabled() and not opts.keep_unsharded:
-            raise create_graph_needs_keep()
-        index = self.tracker.begin()
-        if not opts.keep_unsharded:
+        index = self._start_pass()
+        if not self.policy.keeps_all:
             self._rearm_module_hooks(first=index == 1)
         if self.probing:
             return
-        final = opts.backwards is not None and index >= opts.backwards
-        if opts.sync_grads == "last" and final:
+        if self.policy.holds_back and self.policy.is_last(index):
             self._optimizer._coalesce_grad_reduction = self._saved_coalesce
         reduces = not self._optimizer._coalesce_grad_reduction
         if self._reduced and reduces:
@@ -251,7 +235,7 @@ class DeepSpeedBlock(BlockBase):
         self._pending = not reduces
 
     def _on_pass_end(self) -> None:
-        self.tracker.end()
+        self._end_pass()
         self._task = None
 
     # keep_unsharded=False: per-module fetch and release on every pass #

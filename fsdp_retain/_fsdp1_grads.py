@@ -1,7 +1,8 @@
 """FSDP1 gradient bookkeeping of the block (private FSDP1 access).
 
 Part of the FSDP1 backend with ``_fsdp1.py``: what the block does to the
-gradients FSDP1 holds, as a mixin of ``FSDP1Block``.
+gradients FSDP1 holds. ``GradLedger`` keeps its per-unit state on each
+``Unit`` (``grads_before``, ``accumulating``, ``sentinel``).
 
 - A pass that accumulates nothing into a unit (``autograd.grad``, a probe
   pass, a pass that never reaches the unit after its pre-backward ran) gets
@@ -14,10 +15,9 @@ gradients FSDP1 holds, as a mixin of ``FSDP1Block``.
   holds aside from before the block (the sentinels).
 - On an exception, unreduced gradients are dropped (``_drop_unreduced``).
 
-The mixin uses the block's ``_handles``, ``_states``, ``_fsdp``, ``_phase``,
-``options``, ``model``, ``probing``, ``_freeing``, ``_saved_sync``,
-``_state_of``, ``_sentinels``, ``_grads_before``, ``_accumulating`` and
-``_post_backward`` (which units a pass accumulated into, as seen).
+The block tells the ledger what it cannot see itself: whether a probe pass
+runs, whether the last pass has started (``freeing``), and which units FSDP1
+accumulated into in the pass (``PostBackwardCheck.accumulated``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from typing import Any
 import torch
 
 from ._common import warn_once
+from ._fsdp1_compat import internals
+from ._fsdp1_units import Unit
+
 
 @dataclasses.dataclass
 class _Sentinel:
@@ -55,41 +58,52 @@ def _version(t: torch.Tensor | None) -> int:
 
 def _warn_in_place() -> None:
     warn_once(
-        "fsdp1-inplace-grad",
         "fsdp_retain: with sync_grads='last', FSDP1 keeps gradients from before the "
         "block apart from .grad (in _saved_grad_shard); an in-place change of .grad "
         "between passes reaches them only where it zeroes a whole parameter.",
     )
 
 
-class GradBookkeeping:
-    """Gradient handling of ``FSDP1Block`` (see the module docstring)."""
+class GradLedger:
+    """The gradients the block holds or puts back per unit (see the module docstring)."""
 
-    def _snapshot_grads(self) -> None:
+    def __init__(self, model: Any, units: list[Unit], states: list[Any]) -> None:
+        self.model = model
+        self.units = units
+        self.states = states
+        self._fsdp = internals()
+        self._phase = self._fsdp.HandleTrainingState
+
+    def snapshot(self) -> None:
         """Each unit's (``.grad``, ``_saved_grad_shard``) before a pass."""
-        self._grads_before = {
-            handle: (
-                handle.flat_param.grad,
-                handle.flat_param.__dict__.get("_saved_grad_shard", _MISSING),
+        for unit in self.units:
+            flat_param = unit.flat_param
+            unit.grads_before = (
+                flat_param.grad,
+                flat_param.__dict__.get("_saved_grad_shard", _MISSING),
             )
-            for _, handle in self._handles
-        }
-        self._accumulating = set(self._grads_before)
+            unit.accumulating = True
 
-    def _restore_grads(self) -> None:
+    def forget_snapshot(self) -> None:
+        for unit in self.units:
+            unit.grads_before = None
+
+    def restore(self, accumulated: set[Unit], probing: bool) -> None:
         """Undoes what FSDP's pre-backward did to the gradients of units the
         pass accumulated nothing into (its final callback would drop them)."""
-        before, self._grads_before = self._grads_before, {}
-        for handle, (grad, saved) in before.items():
-            if handle in self._post_backward.accumulated and not self.probing:
+        for unit in self.units:
+            before, unit.grads_before = unit.grads_before, None
+            if before is None:
+                continue
+            grad, saved = before
+            if unit in accumulated and not probing:
                 continue  # accumulated (also in a reentrant-checkpointing recompute)
-            flat_param = handle.flat_param
+            handle, flat_param = unit.handle, unit.flat_param
             if handle._use_orig_params and not handle.uses_sharded_strategy:
                 # NO_SHARD: the catch-all reshard takes the unit for resharded
                 # (pytorch/pytorch#83956), so put back the parameter views that
                 # the post-backward hook would have.
-                state = self._state_of[handle]
-                self._fsdp.reshard(state, handle, False)
+                self._fsdp.reshard(unit.state, handle, False)
                 if flat_param.grad is not None:
                     handle._use_sharded_grad_views()
             now = flat_param.__dict__.get("_saved_grad_shard", _MISSING)
@@ -104,8 +118,9 @@ class GradBookkeeping:
             if handle._use_orig_params:
                 handle._use_sharded_grad_views()
 
-    def _drop_unreduced(self, handle: Any, pending_local: bool) -> None:
-        flat_param = handle.flat_param
+    @staticmethod
+    def drop_unreduced(unit: Unit, pending_local: bool) -> None:
+        handle, flat_param = unit.handle, unit.flat_param
         grad = flat_param.grad
         if handle.uses_sharded_strategy:
             if grad is not None and grad.shape != flat_param._sharded_size:
@@ -119,34 +134,25 @@ class GradBookkeeping:
         if handle._use_orig_params:
             handle._use_sharded_grad_views()
 
-    def _needs_flush(self) -> bool:
-        if self.options.sync_grads != "last" or not all(s for _, s in self._saved_sync):
-            return False  # nothing held back, or the user is inside FSDP's no_sync()
-        return any(self._has_unreduced(h) for _, h in self._handles)
+    def has_unreduced(self) -> bool:
+        return any(_has_unreduced(u) for u in self.units)
 
-    @staticmethod
-    def _has_unreduced(handle: Any) -> bool:
-        flat_param = handle.flat_param
-        return flat_param.grad is not None and getattr(
-            flat_param, "_post_backward_called", False
-        )
-
-    def _flush_gradients(self) -> None:
+    def flush(self) -> None:
         """Reduces the held-back gradients with FSDP's own post-backward path."""
         fsdp = self._fsdp
-        for state in self._states:
+        for state in self.states:
             state.training_state = fsdp.TrainingState.FORWARD_BACKWARD
-        for state, handle in self._handles:
-            flat_param = handle.flat_param
-            if self._has_unreduced(handle):
-                handle._training_state = self._phase.BACKWARD_PRE
-                fsdp.post_backward_hook(state, handle, flat_param)
+        for unit in self.units:
+            flat_param = unit.flat_param
+            if _has_unreduced(unit):
+                unit.handle._training_state = self._phase.BACKWARD_PRE
+                fsdp.post_backward_hook(unit.state, unit.handle, flat_param)
             elif not hasattr(flat_param, "_saved_grad_shard"):
                 # Nothing to hand to .grad (e.g. dropped by zero_grad()).
                 flat_param._post_backward_called = False
         fsdp.post_backward_final_callback(self.model, self.model)
 
-    def _record_sentinels(self) -> None:
+    def record_sentinels(self) -> None:
         """Remembers the ``.grad`` each unit shows, to apply a ``zero_grad()`` later.
 
         With ``sync_grads="last"`` the gradients of earlier passes are local
@@ -156,37 +162,42 @@ class GradBookkeeping:
         cleared parameter's gradient at its *sharded* offset in the unsharded
         gradient (``_writeback_orig_params``), i.e. the wrong elements.
         """
-        self._sentinels.clear()
-        if self.options.sync_grads != "last" or self._freeing:
-            return
-        for _, handle in self._handles:
-            flat_param = handle.flat_param
+        for unit in self.units:
+            unit.sentinel = None
+            handle, flat_param = unit.handle, unit.flat_param
             params = tuple(flat_param._params or ()) if handle._use_orig_params else ()
             grads = tuple(p.grad for p in params)
             if flat_param.grad is None and all(g is None for g in grads):
                 continue
-            self._sentinels[handle] = _Sentinel(
+            unit.sentinel = _Sentinel(
                 flat_param.grad,
                 _version(flat_param.grad),
                 grads,
                 tuple(_version(g) for g in grads),
             )
 
-    def _check_sentinels(self) -> None:
-        for handle in list(self._sentinels):
-            self._check_sentinel(handle)
+    def forget_sentinels(self) -> None:
+        for unit in self.units:
+            unit.sentinel = None
 
-    def _pre_unshard(self, handle: Any, original) -> bool:
+    def has_sentinels(self) -> bool:
+        return any(u.sentinel is not None for u in self.units)
+
+    def check_sentinels(self) -> None:
+        for unit in self.units:
+            self.check_sentinel(unit)
+
+    def pre_unshard(self, unit: Unit, original) -> bool:
         # Before FSDP's gradient writeback in the pre-backward unshard.
-        if handle._training_state == self._phase.BACKWARD_PRE:
-            self._check_sentinel(handle)
+        if unit.handle._training_state == self._phase.BACKWARD_PRE:
+            self.check_sentinel(unit)
         return original()
 
-    def _check_sentinel(self, handle: Any) -> None:
-        sentinel = self._sentinels.pop(handle, None)
+    def check_sentinel(self, unit: Unit) -> None:
+        sentinel, unit.sentinel = unit.sentinel, None
         if sentinel is None:
             return
-        flat_param = handle.flat_param
+        handle, flat_param = unit.handle, unit.flat_param
         if not handle._use_orig_params:
             grad = flat_param.grad
             if not hasattr(flat_param, "_saved_grad_shard"):
@@ -223,14 +234,19 @@ class GradBookkeeping:
                 if g is not None and not g.any()
             }
             cleared = sorted(set(cleared) | zeroed)
-        self._zero_saved_shard(handle, cleared)
+        _zero_saved_shard(handle, cleared)
 
-    @staticmethod
-    def _zero_saved_shard(handle: Any, indices: list[int]) -> None:
-        flat_param = handle.flat_param
-        saved = flat_param._saved_grad_shard
-        for i in indices:
-            info = flat_param._shard_param_infos[i]
-            if info.in_shard:
-                offset = info.offset_in_shard
-                saved[offset : offset + info.numel_in_shard].zero_()
+
+def _has_unreduced(unit: Unit) -> bool:
+    flat_param = unit.flat_param
+    return flat_param.grad is not None and getattr(flat_param, "_post_backward_called", False)
+
+
+def _zero_saved_shard(handle: Any, indices: list[int]) -> None:
+    flat_param = handle.flat_param
+    saved = flat_param._saved_grad_shard
+    for i in indices:
+        info = flat_param._shard_param_infos[i]
+        if info.in_shard:
+            offset = info.offset_in_shard
+            saved[offset : offset + info.numel_in_shard].zero_()

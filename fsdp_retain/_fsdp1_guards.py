@@ -35,9 +35,14 @@ right, so it is not refused.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ._common import RetainError, loud
+
+if TYPE_CHECKING:
+    from ._fsdp1_units import Unit
 
 FORWARD_OUTSIDE = (
     "no_reshard_between_backwards: this backward runs over a graph whose forward ran "
@@ -67,64 +72,97 @@ NOT_SHARDED = (
 )
 
 
-def unit_names(handles, name_of) -> str:
-    names = sorted(name_of(h) for h in handles)
-    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+AFTER_EXIT = (
+    "no_reshard_between_backwards: this backward runs over a graph whose forward ran "
+    "inside a no_reshard_between_backwards block that has already exited. When the "
+    "block ended, FSDP1 freed the unsharded parameters this graph saved and dropped "
+    "its gradient-reduction hooks, so the pass would fail (setStorage ... storage of "
+    "size 0) or leave gradients unreduced. Move this backward inside the block, "
+    "before the `with` statement ends (or run a new forward for it)."
+)
+
+GRADS_OF_GRADS = (
+    "no_reshard_between_backwards: this backward has create_graph=True and accumulates "
+    "into FSDP1 parameters' .grad, which FSDP1 cannot reduce (\"FSDP does not support "
+    "gradients of gradients\"). Nothing was changed. Build the inner gradient with "
+    "torch.autograd.grad(..., create_graph=True) and backpropagate the outer loss "
+    "with a plain .backward() in a later pass of the same block."
+)
+
+
+class Liveness:
+    """Whether a block is still open; the only state the graph's guard hooks keep."""
+
+    exited = False
+
+
+@loud
+def backward_after_exit(alive: Liveness, grad: torch.Tensor) -> None:
+    """Graphs outlive the block: a hook on every unit's forward outputs, registered
+    before FSDP's pre-backward hook, stays on the graph and refuses a backward that
+    reaches it after the block has exited (raising here leaves FSDP untouched)."""
+    if alive.exited:
+        raise RetainError(AFTER_EXIT)
+
+
+def refuse(template: str, units) -> RetainError:
+    """One of this module's errors, naming the units."""
+    from ._fsdp1_units import unit_names
+
+    return RetainError(template.format(units=unit_names(units)))
 
 
 class PostBackwardCheck:
     """Sees each accumulation into a flat parameter; checks FSDP1 reduced it."""
 
     def __init__(self) -> None:
-        self.accumulated: set[Any] = set()
+        self.accumulated: set[Unit] = set()
 
-    def install(self, handles) -> list[Any]:
+    def install(self, units: list[Unit]) -> list[Any]:
         hooks = []
         ref = weakref.ref(self)
-        for handle in handles:
-            flat_param = handle.flat_param
+        for unit in units:
+            flat_param = unit.flat_param
             if flat_param.requires_grad:
                 hooks.append(
-                    flat_param.register_post_accumulate_grad_hook(
-                        _Accumulated(ref, handle)
-                    )
+                    flat_param.register_post_accumulate_grad_hook(_Accumulated(ref, unit))
                 )
         return hooks
 
     def begin_pass(self) -> None:
         self.accumulated = set()
 
-    def unreduced(self) -> list[Any]:
+    def unreduced(self) -> list[Unit]:
         """Units that accumulated in this pass but FSDP1's post-backward did not see."""
         return [
-            h for h in self.accumulated if not getattr(h.flat_param, "_post_backward_called", True)
+            u for u in self.accumulated if not getattr(u.flat_param, "_post_backward_called", True)
         ]
 
 
 class _Accumulated:
     # A weak reference: the hook lives on the parameter, the block must not.
-    def __init__(self, ref, handle) -> None:
+    def __init__(self, ref, unit) -> None:
         self.ref = ref
-        self.handle = handle
+        self.unit = unit
 
     def __call__(self, param: torch.Tensor) -> None:
         check = self.ref()
         if check is None:
             return
-        check.accumulated.add(self.handle)
+        check.accumulated.add(self.unit)
         # FSDP1's post-backward hook on this AccumulateGrad node runs right
         # after this one and sets it again.
         param._post_backward_called = False
 
 
-def check_sharded_grads(handles, name_of) -> None:
+def check_sharded_grads(units: list[Unit]) -> None:
     """Each reduced sharded unit's ``.grad`` is its shard (or ``None``)."""
     bad = [
-        h
-        for h in handles
-        if h.uses_sharded_strategy
-        and h.flat_param.grad is not None
-        and h.flat_param.grad.shape != h.flat_param._sharded_size
+        u
+        for u in units
+        if u.handle.uses_sharded_strategy
+        and u.flat_param.grad is not None
+        and u.flat_param.grad.shape != u.flat_param._sharded_size
     ]
     if bad:
-        raise RuntimeError(NOT_SHARDED.format(units=unit_names(bad, name_of)))
+        raise refuse(NOT_SHARDED, bad)

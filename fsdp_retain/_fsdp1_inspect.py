@@ -1,6 +1,6 @@
 """Readers of FSDP1 state for tests and the report (private FSDP1 access).
 
-Part of the FSDP1 backend with ``_fsdp1.py`` and ``_fsdp1_grads.py``.
+Part of the FSDP1 backend; the block itself never calls these.
 """
 
 from __future__ import annotations
@@ -10,10 +10,8 @@ from typing import Any
 import torch.nn as nn
 
 from ._common import ACTIVE_ATTR, require_attr
-
-_FLAVOUR = "FSDP1"
-# Where FSDP1 keeps a flat parameter's (AccumulateGrad, hook handle).
-HOOK_STATE = "_post_backward_hook_state"
+from ._fsdp1_compat import FLAVOUR as _FLAVOUR
+from ._fsdp1_compat import HOOK_STATE
 _STORAGES = ("_full_param_padded", "_mp_shard", "_full_prec_full_param_padded")
 
 

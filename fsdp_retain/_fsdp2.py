@@ -1,4 +1,8 @@
-"""FSDP2 (``fully_shard``) backend. All private FSDP2 access lives here.
+"""FSDP2 (``fully_shard``) backend: the mechanics of a block on FSDP2.
+
+Private FSDP2 access lives here and in ``_fsdp2_compat.py`` (what differs
+between torch versions); ``_fsdp2_inspect.py`` holds readers for tests and the
+report.
 
 See [Note: why a retained graph needs unsharded storage] in ``_common.py``.
 
@@ -13,7 +17,7 @@ What the block does to FSDP2, per FSDP parameter group (one per unit):
 - ``keep_unsharded=False``: ``reshard_after_backward=True``; FSDP2's own
   pre-backward hook re-gathers per unit on each pass. The backward prefetch
   order recorded by the forward is replayed on every pass.
-- A byte budget (``keep_unsharded=<int>``): ``kept_units`` in ``_common.py``
+- A byte budget (``keep_unsharded=<int>``): ``Policy.kept`` in ``_policy.py``
   picks the groups; kept groups get the ``True`` flags, the others the
   ``False`` ones (their re-gathers prefetched from the replayed order).
 - ``sync_grads="last"``: ``reduce_grads=False`` until the last pass (or the
@@ -23,15 +27,16 @@ What the block does to FSDP2, per FSDP parameter group (one per unit):
   per-unit post-backward then only reshards (``keep_unsharded=False``) and
   leaves the accumulated unsharded gradients as they are.
 
-Pass boundaries come from FSDP2 itself: the first pre-backward hook of a pass
-queues FSDP2's root final callback; we wrap that registration to learn that a
-pass starts, and queue our own callback right after FSDP2's to learn it ended.
-A pass may start from any tensor of the forward and never reach a unit output
-(no pre-backward hook fires); ``_pass_start`` then lets the block queue the
-final callback itself before the pass's first node runs, so the units it
-reached are reduced. With ``keep_unsharded=False`` the block also runs the
-pre-backward (the all-gather) of units the pass uses but whose outputs it
-never reaches, e.g. when it starts inside the unit.
+Pass boundaries (see [Note: the block lifecycle] in ``_lifecycle.py``):
+``_pass_start`` calls ``on_backward_start`` before the first node of every
+backward. If the pass uses this model, the block registers FSDP2's root final
+callback (what FSDP2's first pre-backward hook of a pass does), through its
+own wrapper of that registration: the wrapper starts the pass and queues the
+block's pass end right after FSDP2's callback. The wrapper also catches a pass
+FSDP2's own hooks start where the block recorded nothing. With
+``keep_unsharded=False`` the block also runs the pre-backward (the all-gather)
+of units the pass uses but whose outputs it never reaches, e.g. when it starts
+inside the unit.
 """
 
 from __future__ import annotations
@@ -44,99 +49,21 @@ import torch
 import torch.nn as nn
 
 from . import _pass_start
-from ._common import (
-    BlockBase,
-    ACTIVE_ATTR,
-    PassTracker,
-    RetainOptions,
-    compiling,
-    is_compiled_in_place,
-    kept_units,
-    create_graph_needs_keep,
-    grad_tensors,
-    missing_internal,
-    require_attr,
+from ._common import compiling, grad_tensors, is_compiled_in_place, queue_callback, require_attr
+from ._fsdp2_compat import (
+    FLAVOUR,
+    GROUP_FLAGS,
+    PASS_START_HOOK,
+    clear_unsharded_grad,
+    grad_version,
+    has_pending_grad,
+    param_groups,
+    reset_iteration,
+    run_root_final_callback,
+    training_state_enum,
 )
-
-_FLAVOUR = "FSDP2"
-_PASS_START_HOOK = "_register_root_post_backward_final_callback"
-_GROUP_FLAGS = (
-    "post_forward_mesh_info",
-    "reshard_after_backward",
-    "reduce_grads",
-    "all_reduce_grads",
-)
-
-
-def _fsdp_module_class() -> type | None:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        try:
-            from torch.distributed._composable.fsdp import FSDPModule
-        except ImportError:
-            return None
-    return FSDPModule
-
-
-def is_fsdp2_module(module: nn.Module) -> bool:
-    cls = _fsdp_module_class()
-    return cls is not None and isinstance(module, cls)
-
-
-def _training_state_enum():
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-    except ImportError:
-        try:
-            from torch.distributed._composable.fsdp._fsdp_common import TrainingState
-        except ImportError:
-            raise missing_internal("TrainingState", _FLAVOUR) from None
-    return TrainingState
-
-
-def _queue_callback(fn) -> None:
-    from torch.autograd import Variable
-
-    Variable._execution_engine.queue_callback(fn)
-
-
-def _grad_version(grad: torch.Tensor) -> tuple[int, int]:
-    # In-place ops on a DTensor bump the DTensor's counter, not the local one's.
-    local = getattr(grad, "_local_tensor", grad)
-    return grad._version, local._version
-
-
-def _param_groups(state: Any) -> list[Any]:
-    """An FSDP2 state's parameter groups."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    # torch 2.9-2.11: at most one group per state.
-    group = require_attr(state, "_fsdp_param_group", _FLAVOUR)
-    return [] if group is None else [group]
-
-
-def _clear_unsharded_grad(fsdp_param: Any) -> None:
-    """Drops the gradients a parameter holds unreduced (``reduce_grads=False``)."""
-    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-    if unsharded is not None:
-        unsharded.grad = None
-    # torch <= 2.14 accumulates in a separate buffer; in 2.15 the name is a
-    # read-only alias of the unsharded parameter's .grad.
-    alias = getattr(type(fsdp_param), "unsharded_accumulated_grad", None)
-    if not (isinstance(alias, property) and alias.fset is None):
-        fsdp_param.unsharded_accumulated_grad = None
-
-
-def fsdp2_param_groups(model: nn.Module) -> list[Any]:
-    """The FSDP parameter groups (one per unit with parameters) under ``model``."""
-    groups = []
-    for module in model.modules():
-        if is_fsdp2_module(module):
-            state = module._get_fsdp_state()
-            groups.extend(g for g in _param_groups(state) if g.fsdp_params)
-    return groups
+from ._lifecycle import BlockBase
+from ._policy import RetainOptions
 
 
 @dataclasses.dataclass
@@ -150,10 +77,8 @@ class FSDP2Block(BlockBase):
     """One ``no_reshard_between_backwards`` block on an FSDP2 root."""
 
     def __init__(self, model: nn.Module, options: RetainOptions) -> None:
-        self.model = model
-        self.options = options
-        self.tracker = PassTracker(options.backwards)
-        get_state = require_attr(model, "_get_fsdp_state", _FLAVOUR)
+        super().__init__(model, options)
+        get_state = require_attr(model, "_get_fsdp_state", FLAVOUR)
         self._state = get_state()
         if self._state._is_root is False:
             raise ValueError(
@@ -170,43 +95,37 @@ class FSDP2Block(BlockBase):
         self._prefetch: tuple[list[Any], list[list[int]]] | None = None
         self._sentinels: dict[Any, _Sentinel] = {}
         self._pending_unreduced = False
-        self._unit_inputs = {}
         self._probe_flags: list[tuple[Any, bool, bool]] = []
         # Autograd nodes of each state's forward: outputs, and inputs plus the
         # AccumulateGrad nodes of its unsharded parameters.
         self._output_nodes: dict[Any, list[Any]] = {}
         self._used_nodes: dict[Any, list[Any]] = {}
-        self._watching = False
         self._kept: set[int] = set()  # ids of the groups kept unsharded between passes
-        self._all_kept = False
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
         return self._state._is_root is not None
 
-    def _install_at_first_forward(self, module: nn.Module, args: Any) -> None:
-        self._take_deferred_hook()
+    def _init_root(self) -> None:
         if self._state._is_root is False:
             # We are inside the real root's forward; leave FSDP2 clean before raising.
-            _reset_iteration(self._state._state_ctx.all_states[0])
+            reset_iteration(self._state._state_ctx.all_states[0])
             raise ValueError(
                 "no_reshard_between_backwards got a non-root FSDP2 unit: another FSDP2 "
                 "module ran forward first and became the root. Pass that root module."
             )
-        require_attr(self._state, "_lazy_init", _FLAVOUR)()
-        self._install()
-        self._capture_inputs(module, args, {})  # the new hook runs from the next forward
+        require_attr(self._state, "_lazy_init", FLAVOUR)()
 
     def _install(self) -> None:
-        state_ctx = require_attr(self._state, "_state_ctx", _FLAVOUR)
-        self._states = list(require_attr(state_ctx, "all_states", _FLAVOUR))
-        self._groups = [g for s in self._states for g in _param_groups(s)]
+        state_ctx = require_attr(self._state, "_state_ctx", FLAVOUR)
+        self._states = list(require_attr(state_ctx, "all_states", FLAVOUR))
+        self._groups = [g for s in self._states for g in param_groups(s)]
         for group in self._groups:
-            saved = {name: require_attr(group, name, _FLAVOUR) for name in _GROUP_FLAGS}
+            saved = {name: require_attr(group, name, FLAVOUR) for name in GROUP_FLAGS}
             self._saved_groups.append((group, saved))
         self._installed = True
-        opts = self.options
-        self._kept = {id(g) for g in kept_units(self._backward_order(), opts.keep_unsharded)}
+        policy = self.policy
+        self._kept = {id(g) for g in policy.kept(self._backward_order())}
         self._all_kept = len(self._kept) == len(self._groups)
         for group in self._groups:
             if id(group) in self._kept:
@@ -214,18 +133,18 @@ class FSDP2Block(BlockBase):
                 group.reshard_after_backward = False
             else:
                 group.reshard_after_backward = True
-            if opts.sync_grads == "last":
+            if policy.holds_back:
                 group.reduce_grads = False
                 group.all_reduce_grads = False
         for state in self._states:
-            original = require_attr(state, _PASS_START_HOOK, _FLAVOUR)
-            setattr(state, _PASS_START_HOOK, self._wrap_pass_start(state, original))
+            original = require_attr(state, PASS_START_HOOK, FLAVOUR)
+            setattr(state, PASS_START_HOOK, self._wrap_pass_start(state, original))
             self._patched.append(state)
         for state in self._states:
-            for module in require_attr(state, "_modules", _FLAVOUR):
+            for module in require_attr(state, "_modules", FLAVOUR):
                 if is_compiled_in_place(module):
                     continue  # see [Note: the block under torch.compile]
-                self._forward_hooks.append(self.capture_unit_inputs(module))
+                self._forward_hooks.append(self.probe_targets.hook_unit(module))
                 # After FSDP2's own hooks: unsharded parameters, wrapped inputs and outputs.
                 record = functools.partial(self._record_inputs, state)
                 self._forward_hooks.append(
@@ -233,9 +152,8 @@ class FSDP2Block(BlockBase):
                 )
                 record = functools.partial(self._record_outputs, state)
                 self._forward_hooks.append(module.register_forward_hook(record))
-        self._forward_hooks.extend(self.capture_sources(self.model))
-        _pass_start.watch(self)
-        self._watching = True
+        self._forward_hooks.extend(self.probe_targets.hook_sources(self.model))
+        self._watch()
         if self._kept:
             for group in self._groups:
                 if id(group) not in self._kept:
@@ -251,9 +169,9 @@ class FSDP2Block(BlockBase):
     def _backward_order(self) -> list[tuple[Any, int]]:
         """Groups with their unsharded bytes, the root's first, then the others in
         reverse module order (the order their backward runs; see ``kept_units``)."""
-        root, rest = _param_groups(self._states[0]), []
+        root, rest = param_groups(self._states[0]), []
         for state in self._states[1:]:
-            rest.extend(_param_groups(state))
+            rest.extend(param_groups(state))
         order = []
         for group in root + rest[::-1]:
             nbytes = sum(
@@ -265,16 +183,13 @@ class FSDP2Block(BlockBase):
         return order
 
     def _uninstall(self) -> None:
-        if self._watching:
-            _pass_start.unwatch(self)
-            self._watching = False
         self._output_nodes.clear()
         self._used_nodes.clear()
         for handle in self._forward_hooks:
             handle.remove()
         self._forward_hooks.clear()
         for state in self._patched:
-            state.__dict__.pop(_PASS_START_HOOK, None)
+            state.__dict__.pop(PASS_START_HOOK, None)
         self._patched.clear()
         for group, saved in self._saved_groups:
             for name, value in saved.items():
@@ -296,15 +211,15 @@ class FSDP2Block(BlockBase):
 
     def _abort(self) -> None:
         """Exception exit: no collectives (other ranks may not be here)."""
-        _reset_iteration(self._state)
+        reset_iteration(self._state)
         for group in self._groups:
             for fsdp_param in group.fsdp_params:
-                _clear_unsharded_grad(fsdp_param)
+                clear_unsharded_grad(fsdp_param)
         self._drop_unused_sentinels()
         self._reshard_all()
 
     def _reshard_all(self) -> None:
-        state_enum = _training_state_enum()
+        state_enum = training_state_enum()
         for group in self._groups:
             if not group.is_sharded:
                 with group.use_training_state(state_enum.IDLE):
@@ -316,9 +231,6 @@ class FSDP2Block(BlockBase):
             group.reduce_grads = reduce_grads
             group.all_reduce_grads = all_reduce_grads
         self._probe_flags.clear()
-
-    def _in_backward(self) -> bool:
-        return _pass_start.in_backward()
 
     # Pass boundaries #
     def _record_inputs(self, state: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -337,17 +249,14 @@ class FSDP2Block(BlockBase):
         nodes = self._output_nodes.setdefault(state, [])
         nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
         used = self._used_nodes.setdefault(state, [])
-        for group in _param_groups(state):
+        for group in param_groups(state):
             for fsdp_param in group.fsdp_params:
-                param = require_attr(fsdp_param, "unsharded_param", _FLAVOUR)
+                param = require_attr(fsdp_param, "unsharded_param", FLAVOUR)
                 if param.requires_grad and param.untyped_storage().nbytes() > 0:
                     # The AccumulateGrad node this forward's graph uses. Units
                     # resharded after forward are found by their inputs instead.
                     with torch.enable_grad():
                         used.append(param.expand_as(param).grad_fn.next_functions[0][0])
-
-    def before_backward(self) -> None:
-        """Called by ``_pass_start`` before every backward; nothing to do here."""
 
     def on_backward_start(self) -> None:
         """Inside every backward, before its first node runs (see ``_pass_start``)."""
@@ -366,7 +275,7 @@ class FSDP2Block(BlockBase):
             # No root output in this pass: what FSDP2's first pre-backward does.
             self._state._register_root_post_backward_final_callback()
         for state in used:
-            if all(id(g) in self._kept for g in _param_groups(state)):
+            if all(id(g) in self._kept for g in param_groups(state)):
                 continue  # nothing to gather
             if not any(map(run, self._output_nodes.get(state, ()))):
                 # The pass starts inside this unit: gather it before its nodes run.
@@ -377,17 +286,15 @@ class FSDP2Block(BlockBase):
             if not self._state._state_ctx.post_backward_final_callback_queued:
                 self._on_pass_start()
                 original()
-                _queue_callback(self._on_pass_end)
+                queue_callback(self._on_pass_end)
             else:
                 original()
 
         return register_final_callback
 
     def _on_pass_start(self) -> None:
-        opts = self.options
-        if torch.is_grad_enabled() and not self._all_kept:
-            raise create_graph_needs_keep()
-        index = self.tracker.begin()
+        policy = self.policy
+        index = self._start_pass()
         ctx = self._state._comm_ctx
         if index == 1:
             self._prefetch = (
@@ -400,13 +307,12 @@ class FSDP2Block(BlockBase):
             for group, group_indices in zip(self._groups, indices):
                 group._post_forward_indices[:] = group_indices
         self._show_unsharded()
-        if opts.sync_grads == "last":
+        if policy.holds_back:
             self._check_sentinels()
-        final = opts.backwards is not None and index >= opts.backwards
-        if final:
+        if policy.is_last(index):
             for group, saved in self._saved_groups:
                 group.reshard_after_backward = True
-                if opts.sync_grads == "last":
+                if policy.holds_back:
                     group.reduce_grads = saved["reduce_grads"]
                     group.all_reduce_grads = saved["all_reduce_grads"]
         if self.probing:
@@ -419,10 +325,10 @@ class FSDP2Block(BlockBase):
                 group.reduce_grads = False
                 group.all_reduce_grads = False
         else:
-            self._pending_unreduced = opts.sync_grads == "last" and not final
+            self._pending_unreduced = not policy.reduces(index, probing=False)
 
     def _on_pass_end(self) -> None:
-        self.tracker.end()
+        self._end_pass()
         self._end_probe()
         if self._kept:
             self._show_sharded()
@@ -461,7 +367,7 @@ class FSDP2Block(BlockBase):
         """
         for group in self._groups:
             for fsdp_param in group.fsdp_params:
-                if not _has_pending_grad(fsdp_param):
+                if not has_pending_grad(fsdp_param):
                     continue
                 param = fsdp_param.sharded_param
                 old = self._sentinels.get(fsdp_param)
@@ -469,15 +375,15 @@ class FSDP2Block(BlockBase):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 self._sentinels[fsdp_param] = _Sentinel(
-                    param.grad, _grad_version(param.grad), created
+                    param.grad, grad_version(param.grad), created
                 )
 
     def _check_sentinels(self) -> None:
         for fsdp_param, sentinel in list(self._sentinels.items()):
             grad = fsdp_param.sharded_param.grad
-            if grad is sentinel.grad and _grad_version(grad) == sentinel.version:
+            if grad is sentinel.grad and grad_version(grad) == sentinel.version:
                 continue
-            _clear_unsharded_grad(fsdp_param)
+            clear_unsharded_grad(fsdp_param)
             del self._sentinels[fsdp_param]
 
     def _drop_unused_sentinels(self) -> None:
@@ -487,7 +393,7 @@ class FSDP2Block(BlockBase):
             if (
                 sentinel.created
                 and param.grad is sentinel.grad
-                and _grad_version(param.grad) == sentinel.version
+                and grad_version(param.grad) == sentinel.version
             ):
                 param.grad = None
         self._sentinels.clear()
@@ -503,78 +409,6 @@ class FSDP2Block(BlockBase):
             return  # the user asked FSDP2 not to sync (gradient accumulation)
         self._show_unsharded()
         self._sentinels.clear()  # the reduction adds onto them; keep them
-        _run_root_final_callback(self._state)
+        run_root_final_callback(self._state)
 
 
-def _run_root_final_callback(root_state: Any) -> None:
-    """FSDP2's end-of-backward callback, run outside a backward."""
-    ctx = root_state._state_ctx
-    # torch 2.15: the callback reads the finalization mode its registration sets.
-    if getattr(ctx, "manual_backward_finalization_active", False) is None:
-        ctx.manual_backward_finalization_active = ctx.manual_backward_finalization
-    require_attr(root_state, "_root_post_backward_final_callback", _FLAVOUR)()
-
-
-def _reset_iteration(root_state: Any) -> None:
-    """Reshards everything and clears per-iteration state, without collectives."""
-    reset = getattr(root_state, "_reset_iter_state", None)
-    if reset is not None:
-        reset()
-        return
-    state_enum = _training_state_enum()  # torch 2.9-2.12: no _reset_iter_state
-    ctx = require_attr(root_state, "_state_ctx", _FLAVOUR)
-    for state in ctx.all_states:
-        state._training_state = state_enum.IDLE
-        getattr(state, "_modules_to_run_forward", set()).clear()
-        for group in _param_groups(state):
-            group._training_state = state_enum.IDLE
-            group._post_forward_indices.clear()
-            group._all_gather_result = None
-            group._to_sharded()
-    ctx.post_backward_final_callback_queued = False
-    ctx.iter_forward_root = None
-    root_state._comm_ctx.post_forward_order.clear()
-
-
-def _has_pending_grad(fsdp_param: Any) -> bool:
-    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-    return (unsharded is not None and unsharded.grad is not None) or (
-        fsdp_param.unsharded_accumulated_grad is not None
-    )
-
-
-def fsdp2_snapshot(model: nn.Module) -> dict[str, Any]:
-    """FSDP2 state the block may touch, for tests: flags, sharded state, hooks."""
-    snap: dict[str, Any] = {}
-    for name, module in model.named_modules():
-        snap[f"{name}:hooks"] = (
-            len(module._forward_pre_hooks),
-            len(module._forward_hooks),
-            len(module._backward_hooks),
-        )
-        if not is_fsdp2_module(module):
-            continue
-        state = module._get_fsdp_state()
-        snap[f"{name}:state"] = (
-            str(state._training_state),
-            _PASS_START_HOOK in state.__dict__,
-            state._auto_reshard_after_forward,
-        )
-        for i, group in enumerate(_param_groups(state)):
-            snap[f"{name}:group{i}"] = tuple(
-                repr(getattr(group, flag)) for flag in _GROUP_FLAGS
-            ) + (str(group._sharded_state), str(group._training_state))
-    snap["active"] = getattr(model, ACTIVE_ATTR, False)
-    return snap
-
-
-def fsdp2_all_sharded(model: nn.Module) -> bool:
-    """True if every unit is sharded and no unsharded parameter owns memory."""
-    for group in fsdp2_param_groups(model):
-        if not group.is_sharded:
-            return False
-        for fsdp_param in group.fsdp_params:
-            for tensor in fsdp_param.all_gather_outputs:
-                if tensor.untyped_storage().size() != 0:
-                    return False
-    return True

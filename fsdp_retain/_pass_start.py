@@ -16,8 +16,10 @@ pre-hook on the autograd node of every root tensor runs the watchers'
 :func:`will_run` answers, before any node computes. Nested backwards (e.g.
 reentrant activation checkpointing) pass through untouched.
 
-This is autograd-private access shared by both backends; FSDP internals stay
-in ``_fsdp1.py`` and ``_fsdp2.py``.
+This is autograd-private access shared by every backend; FSDP and DeepSpeed
+internals stay in their backend modules. The wrapper is process-global (so is
+the engine entry); it is installed while at least one block watches, and put
+back only if nobody wrapped the entry after it (``unwatch``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 import torch
 import torch.autograd
 
-from ._common import missing_internal
+from ._common import RetainError, missing_internal
 
 _ENTRY = "_engine_run_backward"
 _watchers: list = []
@@ -56,18 +58,37 @@ def watch(watcher) -> None:
         entry = getattr(torch.autograd, _ENTRY, None)
         if entry is None:
             raise missing_internal(f"torch.autograd.{_ENTRY}", "autograd")
-        _original = entry
-        setattr(torch.autograd, _ENTRY, _run_backward)
+        if not _wraps_ours(entry):
+            _original = entry
+            setattr(torch.autograd, _ENTRY, _run_backward)
     _watchers.append(watcher)
 
 
 def unwatch(watcher) -> None:
+    """Stops calling ``watcher``; the last one out puts the engine entry back.
+
+    Only if it is still ours: an entry someone wrapped around ours since (a
+    profiler, another library) stays, and ours inside it passes every call
+    through until a block watches again.
+    """
     global _original
     if watcher in _watchers:
         _watchers.remove(watcher)
     if not _watchers and _original is not None:
-        setattr(torch.autograd, _ENTRY, _original)
-        _original = None
+        if getattr(torch.autograd, _ENTRY, None) is _run_backward:
+            setattr(torch.autograd, _ENTRY, _original)
+            _original = None
+
+
+def _wraps_ours(entry) -> bool:
+    """Whether ``entry`` is ours or wraps it (``functools.wraps`` chains)."""
+    seen = set()
+    while entry is not None and id(entry) not in seen:
+        if entry is _run_backward:
+            return True
+        seen.add(id(entry))
+        entry = getattr(entry, "__wrapped__", None)
+    return False
 
 
 def _refuse_compiled_autograd() -> None:
@@ -76,7 +97,7 @@ def _refuse_compiled_autograd() -> None:
     do in eager (seen: FSDP2 wrong gradients without the block, errors with it)."""
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     if module is not None and getattr(module, "compiled_autograd_enabled", False):
-        raise RuntimeError(
+        raise RetainError(
             "no_reshard_between_backwards does not support compiled autograd: this "
             "backward runs under torch._dynamo.compiled_autograd. Run the backward "
             "passes inside the block without it (torch._dynamo.config.compiled_autograd"

@@ -33,14 +33,14 @@ saved tensor).
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
-import traceback
 from types import FrameType
 
 import torch
 import torch.distributed as dist
+
+from ._common import RetainError, loud
 
 _SAMPLE = 16  # elements compared bit for bit, spread over the tensor
 
@@ -56,21 +56,6 @@ _ACCUMULATE = {
                                 torch.int32, torch.int64)},
 }
 _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.int64: torch.int64}
-
-
-def loud(fn):
-    """Errors raised inside autograd may be swallowed or masked: print them first."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except BaseException:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-            print(f"[rank {rank}] fsdp_retain error:\n{traceback.format_exc()}", flush=True)
-            raise
-
-    return wrapper
 
 
 def _dtensor_type():
@@ -226,7 +211,7 @@ class SavedTensorCheck:
         saved.reads += 1
         tensor = saved.tensor
         if tensor._version != saved.version:
-            raise RuntimeError(
+            raise RetainError(
                 "one of the variables needed for gradient computation has been "
                 f"modified by an inplace operation: [{_describe_tensor(tensor)}] saved "
                 f"by {_node_name(saved)} is at version {tensor._version}; "
@@ -238,7 +223,7 @@ class SavedTensorCheck:
         if plain is None or saved.fingerprint is None:
             return tensor
         if _freed(plain):
-            raise RuntimeError(
+            raise RetainError(
                 "no_reshard_between_backwards(check_saved_tensors=True): a tensor saved "
                 f"for backward by {_node_name(saved)} ({_describe_tensor(tensor)}) "
                 f"lives in a freed storage (size 0) when it is read for backward the "
@@ -250,7 +235,7 @@ class SavedTensorCheck:
         fresh = fingerprint(plain)
         assert fresh is not None  # None only for what was never fingerprinted
         if not torch.equal(fresh, saved.fingerprint):
-            raise RuntimeError(
+            raise RetainError(
                 "no_reshard_between_backwards(check_saved_tensors=True): a tensor saved "
                 f"for backward by {_node_name(saved)} ({_describe_tensor(tensor)}) "
                 f"changed after the forward saved it, without a version-counter bump; it "

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._common import RetainError
+
 
 def refuse_step(model: nn.Module) -> Any:
     """Installs the refusal for ``model``'s parameters; returns the hook handle.
@@ -39,7 +41,7 @@ def refuse_step(model: nn.Module) -> Any:
     def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         mine = at_entry | {id(p) for p in model.parameters()}
         if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
-            raise RuntimeError(
+            raise RetainError(
                 f"{type(optimizer).__name__}.step() was called inside "
                 "no_reshard_between_backwards over the block's parameters: later passes "
                 "of the block would still use the weights of its forward, and the "

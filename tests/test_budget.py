@@ -4,7 +4,7 @@ world size 2 (tests/cases_budget.py)."""
 
 import pytest
 
-from fsdp_retain._common import RetainOptions, kept_units
+from fsdp_retain._policy import RetainOptions, kept_units
 from tests import cases_budget
 from tests.harness import check_case, launch
 

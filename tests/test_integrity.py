@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from fsdp_retain._common import RetainOptions
+from fsdp_retain._policy import RetainOptions
 from fsdp_retain._saved_tensors import SavedTensorCheck, fingerprint
 from tests import cases_integrity
 from tests.cases_integrity import InplaceLogProb

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .._common import kept_units
+from .._policy import kept_units
 from ._modes import BACKWARDS, MODES
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,

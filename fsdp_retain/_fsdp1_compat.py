@@ -1,0 +1,92 @@
+"""FSDP1 (``FullyShardedDataParallel``) internals the block uses, checked at install.
+
+Part of the FSDP1 backend with ``_fsdp1.py``: the private functions of
+``torch.distributed.fsdp._runtime_utils`` the block calls (``internals()``,
+each checked by name: a missing one raises, naming the torch version) and the
+small readers of a ``FlatParamHandle`` that the backend and the test readers
+(``_fsdp1_inspect.py``) share.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._common import missing_internal, require_attr
+
+FLAVOUR = "FSDP1"
+# Where FSDP1 keeps a flat parameter's (AccumulateGrad, hook handle).
+HOOK_STATE = "_post_backward_hook_state"
+# Names of torch.distributed.fsdp._runtime_utils internals the block calls.
+_RUNTIME_FUNCTIONS = (
+    "_lazy_init",
+    "_post_backward_hook",
+    "_post_backward_final_callback",
+    "_post_backward_reshard",
+    "_prefetch_handle",
+    "_PrefetchMode",
+    "_register_post_backward_final_callback",
+    "_reset_flat_param_grad_info_if_needed",
+    "_reshard",
+    "_unshard",
+)
+
+
+@functools.cache
+def internals() -> types.SimpleNamespace:
+    """The private FSDP1 pieces the block uses, or an error naming the torch version."""
+    try:
+        from torch.distributed.fsdp import _runtime_utils
+        from torch.distributed.fsdp._common_utils import (
+            HandleTrainingState,
+            TrainingState,
+        )
+    except ImportError as exc:
+        raise missing_internal(str(exc), FLAVOUR) from None
+    found = {
+        name: require_attr(_runtime_utils, name, FLAVOUR) for name in _RUNTIME_FUNCTIONS
+    }
+    return types.SimpleNamespace(
+        TrainingState=TrainingState,
+        HandleTrainingState=HandleTrainingState,
+        **{name.lstrip("_"): fn for name, fn in found.items()},
+    )
+
+
+def graph_task_id() -> int:
+    """The running backward's id, -1 outside backward (``_pass_start`` checked it exists)."""
+    return torch._C._current_graph_task_id()
+
+
+def acc_grad_node(flat_param: torch.Tensor) -> Any:
+    """The ``AccumulateGrad`` node a graph built now would use, as FSDP1 finds it."""
+    with torch.enable_grad():
+        return flat_param.expand_as(flat_param).grad_fn.next_functions[0][0]
+
+
+def hooked_node(handle: Any) -> Any:
+    """The ``AccumulateGrad`` node FSDP1's post-backward hook is on, if any.
+
+    A flat parameter that needs no gradient has a reshard-only hook instead,
+    stored as a 1-tuple.
+    """
+    hook_state = getattr(handle.flat_param, HOOK_STATE, None)
+    return hook_state[0] if hook_state is not None and len(hook_state) == 2 else None
+
+
+def unsharded_bytes(handle: Any) -> int:
+    """Bytes of the unit's unsharded flat parameter (0 for ``NO_SHARD``)."""
+    if not handle.uses_sharded_strategy:
+        return 0
+    padded = require_attr(handle.flat_param, "_full_param_padded", FLAVOUR)
+    return padded.numel() * padded.element_size()
+
+
+def is_fsdp1_unit(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(module, FullyShardedDataParallel)

@@ -1,0 +1,125 @@
+"""FSDP2 (``fully_shard``) internals the block uses, across torch versions.
+
+Part of the FSDP2 backend with ``_fsdp2.py``: every version difference and
+every private FSDP2 name the block reads or calls outside its per-unit flags
+lives here, checked when a block installs (``require_attr``: a missing
+internal raises, naming the torch version).
+
+The block writes the flags of each ``FSDPParamGroup`` (``GROUP_FLAGS``)
+directly, not through ``FSDPModule.set_reshard_after_backward`` /
+``set_requires_gradient_sync``: those act on every group of a module at once
+and recompute the value, while a byte budget keeps or frees one group at a
+time and the block's exit puts back the exact objects it found (a
+``post_forward_mesh_info`` of the user's choice).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._common import missing_internal, require_attr
+
+FLAVOUR = "FSDP2"
+PASS_START_HOOK = "_register_root_post_backward_final_callback"
+GROUP_FLAGS = (
+    "post_forward_mesh_info",
+    "reshard_after_backward",
+    "reduce_grads",
+    "all_reduce_grads",
+)
+
+def _fsdp_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def is_fsdp2_module(module: nn.Module) -> bool:
+    cls = _fsdp_module_class()
+    return cls is not None and isinstance(module, cls)
+
+
+def training_state_enum():
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp._fsdp_common import TrainingState
+        except ImportError:
+            raise missing_internal("TrainingState", FLAVOUR) from None
+    return TrainingState
+
+
+def grad_version(grad: torch.Tensor) -> tuple[int, int]:
+    # In-place ops on a DTensor bump the DTensor's counter, not the local one's.
+    local = getattr(grad, "_local_tensor", grad)
+    return grad._version, local._version
+
+
+def param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    # torch 2.9-2.11: at most one group per state.
+    group = require_attr(state, "_fsdp_param_group", FLAVOUR)
+    return [] if group is None else [group]
+
+
+def clear_unsharded_grad(fsdp_param: Any) -> None:
+    """Drops the gradients a parameter holds unreduced (``reduce_grads=False``)."""
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    if unsharded is not None:
+        unsharded.grad = None
+    # torch <= 2.14 accumulates in a separate buffer; in 2.15 the name is a
+    # read-only alias of the unsharded parameter's .grad.
+    alias = getattr(type(fsdp_param), "unsharded_accumulated_grad", None)
+    if not (isinstance(alias, property) and alias.fset is None):
+        fsdp_param.unsharded_accumulated_grad = None
+
+
+def run_root_final_callback(root_state: Any) -> None:
+    """FSDP2's end-of-backward callback, run outside a backward."""
+    ctx = root_state._state_ctx
+    # torch 2.15: the callback reads the finalization mode its registration sets.
+    if getattr(ctx, "manual_backward_finalization_active", False) is None:
+        ctx.manual_backward_finalization_active = ctx.manual_backward_finalization
+    require_attr(root_state, "_root_post_backward_final_callback", FLAVOUR)()
+
+
+def reset_iteration(root_state: Any) -> None:
+    """Reshards everything and clears per-iteration state, without collectives."""
+    reset = getattr(root_state, "_reset_iter_state", None)
+    if reset is not None:
+        reset()
+        return
+    state_enum = training_state_enum()  # torch 2.9-2.12: no _reset_iter_state
+    ctx = require_attr(root_state, "_state_ctx", FLAVOUR)
+    for state in ctx.all_states:
+        state._training_state = state_enum.IDLE
+        getattr(state, "_modules_to_run_forward", set()).clear()
+        for group in param_groups(state):
+            group._training_state = state_enum.IDLE
+            group._post_forward_indices.clear()
+            group._all_gather_result = None
+            group._to_sharded()
+    ctx.post_backward_final_callback_queued = False
+    ctx.iter_forward_root = None
+    root_state._comm_ctx.post_forward_order.clear()
+
+
+def has_pending_grad(fsdp_param: Any) -> bool:
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return (unsharded is not None and unsharded.grad is not None) or (
+        fsdp_param.unsharded_accumulated_grad is not None
+    )
+
+

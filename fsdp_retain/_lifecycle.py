@@ -1,0 +1,265 @@
+"""The lifecycle every backend shares: one driver over per-flavour mechanics.
+
+``BlockBase`` is what ``with no_reshard_between_backwards(model) as block``
+binds. It drives a block from entry to exit and through each pass; a backend
+(``FSDP1Block``, ``FSDP2Block``, ``DeepSpeedBlock``) subclasses it and
+implements only the mechanics of its flavour, the abstract methods below.
+
+[Note: the block lifecycle]
+- Entry (``enter``): the optimizer-step guard and the saved-tensor check go
+  on, the model is marked active, then ``_install`` runs now or, while FSDP
+  has not picked its root yet, from a pre-forward hook at the first forward
+  (``_init_root`` first: FSDP's lazy init).
+- A pass: ``_pass_start`` calls the backend's ``on_backward_start`` before
+  the pass's first node. If the pass reaches the model, the backend calls
+  ``_start_pass`` (the ``create_graph=True`` refusal, the pass index), does
+  its mechanics for a pass (what ``self.policy`` says about it), and queues
+  its pass end with ``queue_callback``, which calls ``_end_pass``.
+- Exit (``exit``): ``_finish`` on a clean exit (reduce what is held back,
+  reshard), ``_abort`` on an exception (no collectives: other ranks may not be
+  here), then always ``_uninstall`` and the guards off.
+- A probe pass (``backward(..., param_grads=False)``): ``_before_probe``,
+  ``torch.autograd.grad`` against ``self.probe_targets`` with ``probing``
+  true, then ``_end_probe``. See [Note: probe passes] in ``_common.py``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import _pass_start
+from ._common import ACTIVE_ATTR, RetainError, create_graph_needs_keep
+from ._policy import PassTracker, Policy, RetainOptions
+from ._probe import ProbeTargets, refuse_reentrant_checkpoint
+from ._saved_tensors import SavedTensorCheck
+from ._step_guard import refuse_step
+
+
+class BlockBase(abc.ABC):
+    """One ``no_reshard_between_backwards`` block: the driver; see [Note: the block lifecycle]."""
+
+    def __init__(self, model: Any, options: RetainOptions) -> None:
+        self.model = model
+        self.options = options
+        self.policy = Policy(options)
+        self.tracker = PassTracker(options.backwards)
+        self.probe_targets = ProbeTargets(_pass_start.in_backward)
+        # True while a probe pass runs (public: hooks read it, see pass_index).
+        self.probing = False
+        # Every unit stays unsharded between passes (a create_graph=True pass needs it).
+        self._all_kept = False
+        self._installed = False
+        self._exited = False
+        self._watching = False
+        self._deferred_hook: Any = None
+        self._saved_check: SavedTensorCheck | None = None
+        self._step_hook: Any = None
+
+    # The mechanics of one flavour #
+    @abc.abstractmethod
+    def _root_decided(self) -> bool:
+        """Whether FSDP has picked its root (else install at the first forward)."""
+
+    @abc.abstractmethod
+    def _init_root(self) -> None:
+        """At the first forward: refuse a non-root model, then FSDP's lazy init."""
+
+    @abc.abstractmethod
+    def _install(self) -> None:
+        """Changes FSDP for the block; sets ``_installed``, calls ``_watch``."""
+
+    @abc.abstractmethod
+    def _uninstall(self) -> None:
+        """Undoes ``_install`` (also a partial one); calls ``_release_model``."""
+
+    @abc.abstractmethod
+    def _finish(self) -> None:
+        """Clean exit: reduce what is still unreduced, reshard every unit."""
+
+    @abc.abstractmethod
+    def _abort(self) -> None:
+        """Exception exit: drop unreduced gradients, reshard locally, no collectives."""
+
+    @abc.abstractmethod
+    def on_backward_start(self) -> None:
+        """Inside every backward, before its first node (``_pass_start``)."""
+
+    def before_backward(self) -> None:
+        """Before every backward, outside the engine (``_pass_start``)."""
+
+    def _before_probe(self) -> None:
+        """Prepare FSDP before a probe pass starts."""
+
+    def _end_probe(self) -> None:
+        """Undo ``_before_probe`` and the pass's flags (idempotent)."""
+
+    # Public #
+    @property
+    def backward_passes(self) -> int:
+        """Backward passes seen so far in this block, probe passes included."""
+        return self.tracker.started
+
+    @property
+    def pass_index(self) -> int:
+        """1-based index of the running backward pass (0 before the first).
+
+        For hooks that act in one pass only: autograd captures a module's
+        backward hooks at forward, so over a retained graph they fire in every
+        pass. Inside a pass this is its index from the moment the pass reaches
+        the model; between passes, the index of the last one. ``probing`` is
+        true during a probe pass (``backward(..., param_grads=False)``).
+
+        Example::
+
+            def collect(module, grad_input, grad_output):
+                if block.probing:  # influence probe only, not the policy loss
+                    store(grad_output[0])
+        """
+        return self.tracker.started
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        param_grads: bool = True,
+        retain_graph: bool | None = None,
+    ) -> None:
+        """One backward pass of ``loss`` inside the block.
+
+        ``param_grads=True`` is ``loss.backward(retain_graph=retain_graph)``.
+        ``param_grads=False`` is a probe pass: hooks on activations and full
+        backward hooks on modules inside FSDP units fire with the gradients a
+        plain backward gives them, but no parameter gradient is computed, no
+        ``.grad`` changes (nor the gradients FSDP holds unreduced: ``no_sync()``
+        micro-batches, passes held back by ``sync_grads="last"``), and nothing
+        is reduced. See [Note: probe passes].
+
+        Example::
+
+            with no_reshard_between_backwards(model) as block:
+                out = model(batch)
+                block.backward(logp_loss(out), param_grads=False, retain_graph=True)
+                policy_loss(out).backward()
+        """
+        if not isinstance(param_grads, bool):
+            raise TypeError(
+                f"param_grads must be a bool, got {param_grads!r}: True runs a normal "
+                "backward, False a probe pass that only feeds gradient hooks"
+            )
+        if self._exited:
+            raise RetainError(
+                "block.backward() was called after its no_reshard_between_backwards "
+                "block exited. Call it inside the `with` statement."
+            )
+        if param_grads:
+            loss.backward(retain_graph=retain_graph)
+            return
+        refuse_reentrant_checkpoint(loss)
+        edges = list(self.probe_targets.edges.values())
+        if not edges:
+            raise ValueError(
+                "block.backward(..., param_grads=False) has nothing to differentiate "
+                "against: no activation in this block's forward requires grad (the "
+                "forward ran under torch.no_grad(), or every parameter is frozen). Run "
+                "the forward inside the block with grad enabled, or use "
+                "param_grads=True."
+            )
+        self._before_probe()
+        self.probing = True
+        try:
+            # See [Note: probe passes]. Gradients of the unit inputs are
+            # returned, not stored; materialize nothing into .grad.
+            torch.autograd.grad(loss, edges, retain_graph=retain_graph, allow_unused=True)
+        finally:
+            self.probing = False
+        # Normally done at the pass end already; not if the loss reached no unit.
+        self._end_probe()
+
+    # Entry and exit #
+    def enter(self) -> None:
+        setattr(self.model, ACTIVE_ATTR, True)
+        try:
+            # See [Note: why an optimizer step inside the block is refused].
+            self._step_hook = refuse_step(self.model)
+            if self.options.check_saved_tensors:
+                self._saved_check = SavedTensorCheck()
+                self._saved_check.push()
+            if self._root_decided():
+                self._install()
+            else:
+                # FSDP picks its root at the first forward; install then.
+                self._deferred_hook = self.model.register_forward_pre_hook(
+                    self._install_at_first_forward, prepend=True
+                )
+        except BaseException:
+            try:
+                self._uninstall()
+            finally:
+                self._pop_guards()
+            raise
+
+    def exit(self, exc: BaseException | None) -> None:
+        self._exited = True
+        self.probe_targets.edges.clear()
+        try:
+            if not self._installed:
+                return
+            if exc is None:
+                self._finish()
+            else:
+                self._abort()
+        finally:
+            try:
+                self._uninstall()
+            finally:
+                self._pop_guards()
+
+    def _install_at_first_forward(self, module: nn.Module, args: Any) -> None:
+        self._deferred_hook.remove()
+        self._deferred_hook = None
+        self._init_root()
+        self._install()
+        self.probe_targets.record_inputs(module, args, {})  # its hook runs from the next forward
+
+    def _pop_guards(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        # The graph keeps the hooks it already has; see
+        # [Note: why a retained graph can silently read changed saved tensors].
+        if self._saved_check is not None:
+            self._saved_check.pop()
+            self._saved_check = None
+
+    def _watch(self) -> None:
+        _pass_start.watch(self)
+        self._watching = True
+
+    def _release_model(self) -> None:
+        """The backend-independent part of ``_uninstall``."""
+        if self._watching:
+            _pass_start.unwatch(self)
+            self._watching = False
+        if self._deferred_hook is not None:
+            self._deferred_hook.remove()
+            self._deferred_hook = None
+        self._installed = False
+        if getattr(self.model, ACTIVE_ATTR, False):
+            delattr(self.model, ACTIVE_ATTR)
+
+    # Passes #
+    def _start_pass(self) -> int:
+        """A pass reaches the model: returns its 1-based index."""
+        if torch.is_grad_enabled() and not self._all_kept:
+            raise create_graph_needs_keep()
+        return self.tracker.begin()
+
+    def _end_pass(self) -> None:
+        self.tracker.end()
+
+    def _in_backward(self) -> bool:
+        return _pass_start.in_backward()

@@ -1,0 +1,174 @@
+"""The block's options, validated, and what they mean for each pass: the one place
+that reads them.
+
+``Policy`` answers the questions every backend asks (does this pass reduce?
+is it the last known one? which units stay unsharded? may a unit be freed
+now?); ``PassTracker`` counts the passes. Neither touches torch internals, so
+both are unit-tested without ranks (``tests/test_policy.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Hashable, Iterable
+from typing import TypeVar
+
+Unit = TypeVar("Unit", bound=Hashable)
+
+_SYNC_GRADS = ("every", "last")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetainOptions:
+    """The keyword options of ``no_reshard_between_backwards``, validated."""
+
+    keep_unsharded: bool | int = True
+    sync_grads: str = "every"
+    backwards: int | None = None
+    check_saved_tensors: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep_unsharded, int):  # bool is an int
+            raise TypeError(
+                f"keep_unsharded must be a bool or an int, got {self.keep_unsharded!r}: "
+                "pass True to keep parameters unsharded between backward passes, "
+                "False to re-gather them per layer, or a per-rank byte budget such as "
+                "8 * 2**30 to keep the units that fit"
+            )
+        if not isinstance(self.keep_unsharded, bool) and self.keep_unsharded < 0:
+            raise ValueError(
+                f"keep_unsharded as a byte budget must be >= 0, got {self.keep_unsharded}: "
+                "pass the bytes of unsharded parameters each rank may hold between "
+                "passes (0 keeps nothing, like False)"
+            )
+        if self.sync_grads not in _SYNC_GRADS:
+            raise ValueError(
+                f"sync_grads must be one of {_SYNC_GRADS}, got {self.sync_grads!r}: "
+                "'every' reduces gradients after each backward (readable .grad "
+                "between passes), 'last' reduces them once after the last backward"
+            )
+        if self.backwards is not None and (
+            isinstance(self.backwards, bool)
+            or not isinstance(self.backwards, int)
+            or self.backwards < 1
+        ):
+            raise ValueError(
+                f"backwards must be a positive int or None, got {self.backwards!r}: "
+                "pass the number of backward passes you will run inside the block, "
+                "or None if it is not known in advance"
+            )
+        if not isinstance(self.check_saved_tensors, bool):
+            raise TypeError(
+                f"check_saved_tensors must be a bool, got {self.check_saved_tensors!r}: "
+                "pass True to check that tensors saved for backward are unchanged when "
+                "a later pass reads them, or False (the default) to skip the check"
+            )
+
+
+
+def kept_units(units: Iterable[tuple[Unit, int]], keep_unsharded: bool | int) -> set[Unit]:
+    """The units whose unsharded parameters a block keeps between passes.
+
+    ``units`` are ``(unit, unsharded parameter bytes per rank)`` in backward
+    order, the unit whose backward runs first first. ``True`` keeps every unit,
+    ``False`` none. A byte budget goes through the units in that order and
+    keeps each one whose bytes still fit in what is left: first the units
+    nearest the output, whose re-gather could not hide behind compute at the
+    start of the next pass; a unit too large for the rest (often the root, with
+    the embedding and the output layer) is skipped, not the end of the walk.
+    Units that free nothing (0 bytes, e.g. ``NO_SHARD``) are always kept.
+    """
+    if isinstance(keep_unsharded, bool):
+        return {unit for unit, _ in units} if keep_unsharded else set()
+    kept, left = set(), keep_unsharded
+    for unit, nbytes in units:
+        if nbytes <= left:
+            kept.add(unit)
+            left -= nbytes
+    return kept
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The options of one block, read per pass."""
+
+    options: RetainOptions
+
+    @property
+    def holds_back(self) -> bool:
+        """``sync_grads="last"``: passes before the last keep gradients unreduced."""
+        return self.options.sync_grads == "last"
+
+    @property
+    def keeps_all(self) -> bool:
+        """``keep_unsharded=True`` (not a budget): every unit stays unsharded."""
+        return self.options.keep_unsharded is True
+
+    def is_last(self, index: int) -> bool:
+        """Whether pass ``index`` (1-based) is the last one the user announced."""
+        return self.options.backwards is not None and index >= self.options.backwards
+
+    def reduces(self, index: int, *, probing: bool) -> bool:
+        """Whether pass ``index`` reduces the gradients it accumulates."""
+        return not probing and (not self.holds_back or self.is_last(index))
+
+    def kept(self, units: Iterable[tuple[Unit, int]]) -> set[Unit]:
+        """The units kept unsharded between passes: see ``kept_units``."""
+        return kept_units(units, self.options.keep_unsharded)
+
+    @staticmethod
+    def frees_after_pass(kept: bool, *, freeing: bool) -> bool:
+        """Whether a unit's backward frees its unsharded parameters.
+
+        ``freeing``: the last announced pass runs, or the block exits. A unit
+        the budget does not keep is freed after every pass, even where FSDP
+        itself would keep it (``keep_unsharded=False`` promises no memory
+        between passes).
+        """
+        return freeing or not kept
+
+
+class PassTracker:
+    """Counts backward passes inside one block and checks them against ``backwards``."""
+
+    def __init__(self, backwards: int | None) -> None:
+        self.backwards = backwards
+        self.started = 0
+        self.finished = 0
+        self._warned_extra = False
+
+    def begin(self) -> int:
+        """Registers the start of a backward pass; returns its 1-based index."""
+        self.started += 1
+        if (
+            self.backwards is not None
+            and self.started > self.backwards
+            and not self._warned_extra
+        ):
+            self._warned_extra = True
+            warnings.warn(
+                f"no_reshard_between_backwards(backwards={self.backwards}) saw backward "
+                f"pass {self.started}: parameters were already resharded after pass "
+                f"{self.backwards}, so this pass gathers them again (gradients stay "
+                "correct, memory and communication do not). Pass the real number of "
+                "passes, or backwards=None.",
+                stacklevel=2,
+            )
+        return self.started
+
+    def end(self) -> None:
+        self.finished += 1
+
+    @property
+    def in_backward(self) -> bool:
+        return self.started > self.finished
+
+    def warn_if_short(self) -> None:
+        if self.backwards is not None and 0 < self.started < self.backwards:
+            warnings.warn(
+                f"no_reshard_between_backwards(backwards={self.backwards}) exited after "
+                f"{self.started} backward pass(es); parameters were kept until the end "
+                "of the block. Pass the real number of passes, or backwards=None.",
+                stacklevel=3,
+            )

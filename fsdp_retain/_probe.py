@@ -1,0 +1,93 @@
+"""Probe passes: the activation frontier they differentiate against.
+
+See [Note: probe passes] in ``_common.py``. ``ProbeTargets`` records, during
+the block's forwards, the autograd edges a probe pass runs
+``torch.autograd.grad`` against; ``refuse_reentrant_checkpoint`` raises before
+a probe pass that could not run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._common import compiling, eager_modules, grad_tensors
+
+
+class ProbeTargets:
+    """The probe pass's targets: (id(node), output_nr) -> GradientEdge."""
+
+    def __init__(self, in_backward: Callable[[], bool]) -> None:
+        self.edges: dict[tuple[int, int], Any] = {}
+        self._in_backward = in_backward
+
+    def hook_unit(self, module: nn.Module) -> Any:
+        """Forward pre-hook handle that records ``module``'s inputs as probe targets.
+
+        Registered in front of FSDP's own pre-forward, so it sees the inputs
+        before FSDP wraps them (FSDP2 routes them through its post-backward
+        autograd function; FSDP1 casts them): the probe pass then runs FSDP's
+        per-unit post-backward for every unit it walks through.
+        """
+        return module.register_forward_pre_hook(
+            self.record_inputs, prepend=True, with_kwargs=True
+        )
+
+    def hook_sources(self, root: nn.Module) -> list[Any]:
+        """Forward hook handles that record, as probe targets, the outputs of each
+        module under ``root`` whose inputs need no gradient (see [Note: probe passes])."""
+        return [
+            module.register_forward_hook(self._record_sources, with_kwargs=True)
+            for module in eager_modules(root)
+        ]
+
+    def record_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if compiling() or not torch.is_grad_enabled() or self._in_backward():
+            return  # no graph, or an activation-checkpointing recompute
+        self._record(grad_tensors((args, kwargs)))
+
+    def _record_sources(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if compiling() or not torch.is_grad_enabled() or self._in_backward():
+            return
+        if grad_tensors((args, kwargs)):
+            return  # reached through its inputs
+        self._record(grad_tensors(output))
+
+    def _record(self, tensors: list[torch.Tensor]) -> None:
+        from torch.autograd.graph import get_gradient_edge
+
+        for tensor in tensors:
+            # An edge keeps the autograd node, not the activation's memory.
+            edge = get_gradient_edge(tensor)
+            self.edges.setdefault((id(edge.node), edge.output_nr), edge)
+
+
+# The node of torch.utils.checkpoint(..., use_reentrant=True), which refuses
+# torch.autograd.grad (it runs its own nested backward without `inputs`).
+_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+
+
+def refuse_reentrant_checkpoint(loss: torch.Tensor) -> None:
+    """Raises before a probe pass that would reach a reentrant checkpoint."""
+    root = loss.grad_fn
+    # Visited nodes are kept alive: ids of freed node wrappers could be reused.
+    stack, seen = ([root] if root is not None else []), {}
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        if type(node).__name__ == _REENTRANT_CHECKPOINT:
+            raise ValueError(
+                "block.backward(..., param_grads=False) reached a reentrant activation "
+                "checkpoint (torch.utils.checkpoint with use_reentrant=True), which "
+                "cannot run a probe pass: it refuses torch.autograd.grad. Use "
+                "non-reentrant checkpointing (checkpoint(..., use_reentrant=False); in "
+                "HF transformers model.gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False})), or run this "
+                "pass with param_grads=True. Nothing was changed."
+            )
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)

@@ -1,0 +1,142 @@
+"""The per-pass reading of the options (``Policy``), the pass count and the engine
+entry wrapper, without ranks."""
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+from fsdp_retain import _pass_start
+from fsdp_retain._lifecycle import BlockBase
+from fsdp_retain._policy import PassTracker, Policy, RetainOptions
+
+
+def _policy(**kwargs) -> Policy:
+    return Policy(RetainOptions(**kwargs))
+
+
+@pytest.mark.parametrize("backwards", [None, 1, 2, 3])
+@pytest.mark.parametrize("sync_grads", ["every", "last"])
+def test_reduces_and_is_last(sync_grads, backwards):
+    policy = _policy(sync_grads=sync_grads, backwards=backwards)
+    for index in range(1, 5):
+        last = backwards is not None and index >= backwards
+        assert policy.is_last(index) is last
+        assert policy.reduces(index, probing=False) is (sync_grads == "every" or last)
+        assert policy.reduces(index, probing=True) is False
+    assert policy.holds_back is (sync_grads == "last")
+
+
+@pytest.mark.parametrize(
+    "keep, kept",
+    [(True, {"root", "l2", "l1"}), (False, set()), (0, set()), (60, {"root"}),
+     (50, {"l2", "l1"}), (30, {"l2"}), (10**9, {"root", "l2", "l1"})],
+)
+def test_kept_walks_backward_order(keep, kept):
+    # Backward order: root first, then the last layer; a unit too large for what
+    # is left is skipped, not the end of the walk.
+    units = [("root", 60), ("l2", 30), ("l1", 20)]
+    policy = _policy(keep_unsharded=keep)
+    assert policy.kept(units) == kept
+    assert policy.keeps_all is (keep is True)
+
+
+@pytest.mark.parametrize("kept", [True, False])
+@pytest.mark.parametrize("freeing", [True, False])
+def test_frees_after_pass(kept, freeing):
+    assert Policy.frees_after_pass(kept, freeing=freeing) is (freeing or not kept)
+
+
+def test_tracker_warns_once_for_extra_and_short():
+    tracker = PassTracker(backwards=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tracker.begin() == 1
+        tracker.end()
+    assert not tracker.in_backward
+    with pytest.warns(UserWarning, match="exited after 1 backward"):
+        tracker.warn_if_short()
+    tracker.begin()
+    with pytest.warns(UserWarning, match="saw backward pass 3"):
+        tracker.begin()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tracker.begin()  # once only
+    assert tracker.in_backward
+
+
+def test_block_base_contract_is_abstract():
+    with pytest.raises(TypeError, match="abstract"):
+        BlockBase(torch.nn.Linear(1, 1), RetainOptions())  # type: ignore[abstract]
+
+
+class _Watcher:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def before_backward(self) -> None:
+        self.calls.append("before")
+
+    def on_backward_start(self) -> None:
+        self.calls.append("start")
+
+
+def _entry():
+    return getattr(torch.autograd, _pass_start._ENTRY)
+
+
+def _backward() -> None:
+    x = torch.ones(2, requires_grad=True)
+    (x * 2).sum().backward()
+
+
+def test_unwatch_restores_the_entry_it_replaced():
+    original = _entry()
+    watcher = _Watcher()
+    _pass_start.watch(watcher)
+    try:
+        assert _entry() is not original
+        _backward()
+        assert watcher.calls == ["before", "start"]
+    finally:
+        _pass_start.unwatch(watcher)
+    assert _entry() is original
+
+
+def test_unwatch_leaves_a_wrapper_installed_after_it():
+    """Someone wraps the engine entry while a block watches: unwatch must not
+    clobber that wrapper, and a later block must not run its watchers twice."""
+    original = _entry()
+    first = _Watcher()
+    _pass_start.watch(first)
+    ours = _entry()
+    seen: list[int] = []
+
+    @functools.wraps(ours)
+    def theirs(*args, **kwargs):
+        seen.append(1)
+        return ours(*args, **kwargs)
+
+    setattr(torch.autograd, _pass_start._ENTRY, theirs)
+    try:
+        _pass_start.unwatch(first)
+        assert _entry() is theirs, "unwatch clobbered a wrapper installed after it"
+        _backward()
+        assert seen == [1] and first.calls == []
+        second = _Watcher()
+        _pass_start.watch(second)
+        try:
+            assert _entry() is theirs
+            _backward()
+            assert second.calls == ["before", "start"], second.calls
+            assert seen == [1, 1]
+        finally:
+            _pass_start.unwatch(second)
+        assert _entry() is theirs
+    finally:
+        # The wrapper's owner puts back what it wrapped; ours then goes too.
+        setattr(torch.autograd, _pass_start._ENTRY, ours)
+        _pass_start.watch(first)
+        _pass_start.unwatch(first)
+    assert _entry() is original
