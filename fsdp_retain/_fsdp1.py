@@ -49,7 +49,8 @@ and then its own, which the engine runs after FSDP's. A pass may start from
 any tensor of the forward, so FSDP's pre-backward hooks on unit outputs may
 run late (a ``create_graph=True`` gradient graph reaches parameters first) or
 never (an activation inside a unit). The block therefore does a unit's
-pre-backward work itself at the pass start (``_pre_backward``): with
+pre-backward work itself at the pass start (``pre_backward`` in
+``_fsdp1_mechanics``): with
 ``keep_unsharded=True`` for every unit whose gradients the pass accumulates;
 with ``False`` for units the pass uses but whose outputs it never reaches
 (all-gathering them then). Units whose pre-backward ran but that accumulate
@@ -81,17 +82,18 @@ from ._common import (
     queue_callback,
     require_attr,
 )
-from ._fsdp1_compat import FLAVOUR, HOOK_STATE, hooked_node, internals, unsharded_bytes
+from ._fsdp1_compat import FLAVOUR, hooked_node, internals
 from ._fsdp1_grads import GradLedger
+from ._fsdp1_mechanics import pre_backward, rearm, reset_iteration, reshard_all
 from ._fsdp1_guards import (
-    FORWARD_OUTSIDE,
     GRADS_OF_GRADS,
     NOT_REDUCED,
     PostBackwardCheck,
+    check_not_outside,
     check_sharded_grads,
     refuse,
 )
-from ._fsdp1_units import ForwardRecorder, Unit
+from ._fsdp1_units import ForwardRecorder, Unit, backward_order
 from ._lifecycle import BlockBase
 from ._policy import RetainOptions
 
@@ -163,7 +165,7 @@ class FSDP1Block(BlockBase):
         )
         ledger = self._ledger = GradLedger(model, self._units, self._states)
         self._hooks.extend(self._post_backward.install(self._units))
-        kept = policy.kept(self._backward_order())
+        kept = policy.kept(backward_order(model, self._units))
         for unit in self._units:
             unit.kept = unit in kept
         self._all_kept = len(kept) == len(self._units)
@@ -196,13 +198,6 @@ class FSDP1Block(BlockBase):
             for state in self._states:
                 state._sync_gradients = False
 
-    def _backward_order(self) -> list[tuple[Unit, int]]:
-        """Units with their unsharded bytes, the root's first, then the others in
-        reverse module order (the order their backward runs; see ``kept_units``)."""
-        root = [u for u in self._units if u.state is self.model]
-        rest = [u for u in self._units if u.state is not self.model]
-        return [(u, unsharded_bytes(u.handle)) for u in root + rest[::-1]]
-
     def _uninstall(self) -> None:
         if self._recorder is not None:
             self._recorder.alive.exited = True
@@ -231,7 +226,7 @@ class FSDP1Block(BlockBase):
         if self.policy.holds_back and all(s for _, s in self._saved_sync):
             if ledger.has_unreduced():
                 ledger.flush()
-        self._reshard_all()
+        reshard_all(self._units)
         self._reset_iteration_state()
 
     def _abort(self) -> None:
@@ -240,7 +235,7 @@ class FSDP1Block(BlockBase):
         pending_local = self.policy.holds_back or self.tracker.in_backward
         self._restore_sync()
         self._reset_iteration_state()
-        self._reshard_all()
+        reshard_all(self._units)
         for unit in self._units:
             self._ledger.drop_unreduced(unit, pending_local)
 
@@ -283,7 +278,7 @@ class FSDP1Block(BlockBase):
         if self._exited or self._pass_open:
             return
         run = _pass_start.will_run
-        self._check_not_outside(run)
+        check_not_outside(self._units, run)
         uses = [u for u in self._units if u.uses(run)]
         if not uses:  # another model's backward
             self._ledger.forget_snapshot()
@@ -298,25 +293,12 @@ class FSDP1Block(BlockBase):
         self._on_pass_start()
         for unit in uses:
             if not unit.handle._ran_pre_backward_hook and self._runs_early(unit):
-                self._pre_backward(unit)
+                pre_backward(unit)
         if self._freeing and self.policy.holds_back and not self.probing:
             # The last pass reduces what it accumulates into; the rest at exit.
             for unit in self._units:
                 if not unit.accumulating:
                     unit.state._sync_gradients = False
-
-    def _check_not_outside(self, run) -> None:
-        """Refuses a pass over a forward that ran before the block, before any node runs."""
-        outside = [
-            u
-            for u in self._units
-            if u.outside is not None
-            and run(u.outside)
-            and not u.reaches_outputs(run)
-            and not any(map(run, u.inner_nodes))
-        ]
-        if outside:
-            raise refuse(FORWARD_OUTSIDE, outside)
 
     def _runs_early(self, unit: Unit) -> bool:
         """Whether the block must do ``unit``'s pre-backward at the pass start."""
@@ -327,23 +309,6 @@ class FSDP1Block(BlockBase):
         # A first-order pass over the forward reaches a unit's parameters only
         # after its outputs, unless it starts inside the unit.
         return not unit.reaches_outputs(_pass_start.will_run)
-
-    def _pre_backward(self, unit: Unit) -> None:
-        """FSDP1's per-unit pre-backward hook, for a pass that reaches the unit's
-        parameters before (or without) its outputs."""
-        fsdp, state, handle = self._fsdp, unit.state, unit.handle
-        state.training_state = fsdp.TrainingState.FORWARD_BACKWARD
-        handle._training_state = self._phase.BACKWARD_PRE
-        if handle._needs_pre_backward_unshard:
-            if not handle._prefetched:
-                fsdp.unshard(state, handle, state._unshard_stream, state._pre_unshard_stream)
-            state._device_handle.current_stream().wait_stream(state._unshard_stream)
-        handle._needs_pre_backward_unshard = False
-        # FSDP's hook, which now returns early, would prefetch the unit next in
-        # backward order here (a re-gathered unit after a kept one).
-        fsdp.prefetch_handle(state, handle, fsdp.PrefetchMode.BACKWARD)
-        handle.prepare_gradient_for_backward()
-        handle._ran_pre_backward_hook = True
 
     @loud
     def _on_pass_start(self) -> None:
@@ -385,33 +350,9 @@ class FSDP1Block(BlockBase):
         self._end_probe()
         if self.policy.holds_back and self._freeing:
             self._restore_sync()
-        self._rearm()
+        rearm(self.model, self._units, self._recorder)
         self._record_sentinels()
         check_sharded_grads(reduced)
-
-    def _rearm(self) -> None:
-        """Undoes what FSDP's root final callback assumes about "the" backward."""
-        for unit in self._units:
-            flat_param = unit.flat_param
-            if unit.acc_grads and not hasattr(flat_param, HOOK_STATE):
-                # FSDP's final callback removed it; later passes must reduce too.
-                node = unit.acc_grads[0]
-                hook = node.register_hook(self._recorder.post_backward_fn(unit))
-                setattr(flat_param, HOOK_STATE, (node, hook))
-            if unit.regather:
-                # The pre-backward unshard all-gathers only if the storage was
-                # freed; it also shows the unsharded views that activation
-                # checkpointing recomputes with.
-                unit.handle._needs_pre_backward_unshard = True
-                if unit.forward_tensors is not None:
-                    # use_orig_params=True re-points these views in the
-                    # pre-backward unshard; FSDP dropped them after backward.
-                    flat_param._tensors[:] = unit.forward_tensors
-        # The forward order drives FSDP's backward prefetching.
-        order = self.model._exec_order_data.handles_post_forward_order
-        order[:] = self._recorder.forward_order
-        for unit in self._units:
-            unit.handle._post_forward_index = unit.forward_index
 
     def _record_sentinels(self) -> None:
         if self.policy.holds_back and not self._freeing:
@@ -449,37 +390,8 @@ class FSDP1Block(BlockBase):
         if self._ledger is not None:
             self._ledger.restore(self._post_backward.accumulated, self.probing)
 
-    # Exit helpers #
-    def _reshard_all(self) -> None:
-        """Frees every unit's unsharded flat parameter; communicates nothing."""
-        idle = self._phase.IDLE
-        for unit in self._units:
-            handle = unit.handle
-            handle._training_state = idle
-            if handle.uses_sharded_strategy and not handle.needs_unshard():
-                self._fsdp.reshard(unit.state, handle, True)
-
     def _reset_iteration_state(self) -> None:
-        """Leaves FSDP as its root final callback does after a backward."""
-        for state in self._states:
-            state.training_state = self._fsdp.TrainingState.IDLE
-        self.model._post_backward_callback_queued = False
-        self.model._exec_order_data.handles_post_forward_order.clear()
-        for unit in self._units:
-            handle, flat_param = unit.handle, unit.flat_param
-            hook_state = getattr(flat_param, HOOK_STATE, None)
-            if hook_state is not None:
-                hook_state[-1].remove()
-                delattr(flat_param, HOOK_STATE)
-            handle._training_state = self._phase.IDLE
-            handle._needs_pre_backward_unshard = False
-            handle._ran_pre_backward_hook = False
-            handle._prefetched = False
-            handle._post_forward_index = None
-            if handle._use_orig_params and flat_param._tensors is not None:
-                # The forward's views, as FSDP drops them after a unit's backward
-                # (also for units an exception kept from running backward).
-                flat_param._tensors[:] = [None] * len(flat_param._tensors)
+        reset_iteration(self.model, self._states, self._units)
         self._recorder.forget()
         self._ledger.forget_sentinels()
 

@@ -105,6 +105,20 @@ def backward_after_exit(alive: Liveness, grad: torch.Tensor) -> None:
         raise RetainError(AFTER_EXIT)
 
 
+def check_not_outside(units: list[Unit], run) -> None:
+    """Refuses a pass over a forward that ran before the block, before any node runs."""
+    outside = [
+        u
+        for u in units
+        if u.outside is not None
+        and run(u.outside)
+        and not u.reaches_outputs(run)
+        and not any(map(run, u.inner_nodes))
+    ]
+    if outside:
+        raise refuse(FORWARD_OUTSIDE, outside)
+
+
 def refuse(template: str, units) -> RetainError:
     """One of this module's errors, naming the units."""
     from ._fsdp1_units import unit_names

@@ -26,7 +26,14 @@ import torch
 import torch.nn as nn
 
 from ._common import compiling, eager_modules, grad_tensors, loud
-from ._fsdp1_compat import HOOK_STATE, acc_grad_node, graph_task_id, hooked_node, is_fsdp1_unit
+from ._fsdp1_compat import (
+    HOOK_STATE,
+    acc_grad_node,
+    graph_task_id,
+    hooked_node,
+    is_fsdp1_unit,
+    unsharded_bytes,
+)
 from ._fsdp1_guards import Liveness, backward_after_exit
 
 
@@ -82,6 +89,14 @@ class Unit:
         self.inner_nodes.clear()
         self.acc_grads.clear()
         self.count = None
+
+
+def backward_order(model: nn.Module, units: list[Unit]) -> list[tuple[Unit, int]]:
+    """Units with their unsharded bytes, the root's first, then the others in
+    reverse module order (the order their backward runs; see ``kept_units``)."""
+    root = [u for u in units if u.state is model]
+    rest = [u for u in units if u.state is not model]
+    return [(u, unsharded_bytes(u.handle)) for u in root + rest[::-1]]
 
 
 def unit_names(units: Iterable[Unit]) -> str:

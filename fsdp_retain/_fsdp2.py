@@ -41,7 +41,6 @@ inside the unit.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -55,22 +54,15 @@ from ._fsdp2_compat import (
     GROUP_FLAGS,
     PASS_START_HOOK,
     clear_unsharded_grad,
-    grad_version,
-    has_pending_grad,
     param_groups,
     reset_iteration,
     run_root_final_callback,
     training_state_enum,
+    unsharded_bytes,
 )
+from ._fsdp2_grads import HeldGrads
 from ._lifecycle import BlockBase
 from ._policy import RetainOptions
-
-
-@dataclasses.dataclass
-class _Sentinel:
-    grad: torch.Tensor
-    version: tuple[int, int]
-    created: bool
 
 
 class FSDP2Block(BlockBase):
@@ -93,7 +85,7 @@ class FSDP2Block(BlockBase):
         self._forward_hooks: list[Any] = []
         self._swapped: set[int] = set()  # ids of groups showing sharded params
         self._prefetch: tuple[list[Any], list[list[int]]] | None = None
-        self._sentinels: dict[Any, _Sentinel] = {}
+        self._held = HeldGrads()  # sync_grads="last": see _fsdp2_grads
         self._pending_unreduced = False
         self._probe_flags: list[tuple[Any, bool, bool]] = []
         # Autograd nodes of each state's forward: outputs, and inputs plus the
@@ -172,15 +164,7 @@ class FSDP2Block(BlockBase):
         root, rest = param_groups(self._states[0]), []
         for state in self._states[1:]:
             rest.extend(param_groups(state))
-        order = []
-        for group in root + rest[::-1]:
-            nbytes = sum(
-                fsdp_param._orig_size.numel()
-                * (fsdp_param.param_dtype or fsdp_param.orig_dtype).itemsize
-                for fsdp_param in group.fsdp_params
-            )
-            order.append((group, nbytes))
-        return order
+        return [(group, unsharded_bytes(group)) for group in root + rest[::-1]]
 
     def _uninstall(self) -> None:
         self._output_nodes.clear()
@@ -200,10 +184,10 @@ class FSDP2Block(BlockBase):
     def _finish(self) -> None:
         """Clean exit: reduce what is still unreduced, reshard everything."""
         self.tracker.warn_if_short()
-        self._check_sentinels()
+        self._held.check()
         if self._pending_unreduced:
             self._flush_gradients()
-        self._drop_unused_sentinels()
+        self._held.drop_unused()
         self._reshard_all()
         self._state._comm_ctx.post_forward_order.clear()
         for group in self._groups:
@@ -215,7 +199,7 @@ class FSDP2Block(BlockBase):
         for group in self._groups:
             for fsdp_param in group.fsdp_params:
                 clear_unsharded_grad(fsdp_param)
-        self._drop_unused_sentinels()
+        self._held.drop_unused()
         self._reshard_all()
 
     def _reshard_all(self) -> None:
@@ -308,7 +292,7 @@ class FSDP2Block(BlockBase):
                 group._post_forward_indices[:] = group_indices
         self._show_unsharded()
         if policy.holds_back:
-            self._check_sentinels()
+            self._held.check()
         if policy.is_last(index):
             for group, saved in self._saved_groups:
                 group.reshard_after_backward = True
@@ -333,7 +317,7 @@ class FSDP2Block(BlockBase):
         if self._kept:
             self._show_sharded()
         if self._pending_unreduced:
-            self._record_sentinels()
+            self._held.record(self._groups)
 
     # Between passes: show sharded parameters, keep unsharded storage #
     def _show_sharded(self) -> None:
@@ -356,48 +340,6 @@ class FSDP2Block(BlockBase):
         if not compiling():
             self._show_unsharded()
 
-    # sync_grads="last": detect zero_grad() between passes #
-    def _record_sentinels(self) -> None:
-        """Marks each sharded ``.grad`` so that a ``zero_grad()`` can be seen later.
-
-        With gradients held back as unsharded tensors, the sharded ``.grad`` the
-        optimizer clears is not where they live. A parameter with pending
-        gradients gets a zero ``.grad`` if it has none; if that tensor is later
-        replaced, set to None or zeroed in place, the pending gradients go too.
-        """
-        for group in self._groups:
-            for fsdp_param in group.fsdp_params:
-                if not has_pending_grad(fsdp_param):
-                    continue
-                param = fsdp_param.sharded_param
-                old = self._sentinels.get(fsdp_param)
-                created = param.grad is None or (old is not None and old.created)
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                self._sentinels[fsdp_param] = _Sentinel(
-                    param.grad, grad_version(param.grad), created
-                )
-
-    def _check_sentinels(self) -> None:
-        for fsdp_param, sentinel in list(self._sentinels.items()):
-            grad = fsdp_param.sharded_param.grad
-            if grad is sentinel.grad and grad_version(grad) == sentinel.version:
-                continue
-            clear_unsharded_grad(fsdp_param)
-            del self._sentinels[fsdp_param]
-
-    def _drop_unused_sentinels(self) -> None:
-        """Removes the zero ``.grad`` this block created where nothing was added."""
-        for fsdp_param, sentinel in self._sentinels.items():
-            param = fsdp_param.sharded_param
-            if (
-                sentinel.created
-                and param.grad is sentinel.grad
-                and grad_version(param.grad) == sentinel.version
-            ):
-                param.grad = None
-        self._sentinels.clear()
-
     def _flush_gradients(self) -> None:
         """Reduce-scatters the held-back gradients, as FSDP2's last backward would."""
         for group, saved in self._saved_groups:
@@ -408,7 +350,7 @@ class FSDP2Block(BlockBase):
         if not any(saved["reduce_grads"] for _, saved in self._saved_groups):
             return  # the user asked FSDP2 not to sync (gradient accumulation)
         self._show_unsharded()
-        self._sentinels.clear()  # the reduction adds onto them; keep them
+        self._held.forget()
         run_root_final_callback(self._state)
 
 

@@ -74,6 +74,15 @@ def param_groups(state: Any) -> list[Any]:
     return [] if group is None else [group]
 
 
+def unsharded_bytes(group: Any) -> int:
+    """Bytes of a parameter group's unsharded parameters on one rank."""
+    return sum(
+        fsdp_param._orig_size.numel()
+        * (fsdp_param.param_dtype or fsdp_param.orig_dtype).itemsize
+        for fsdp_param in group.fsdp_params
+    )
+
+
 def clear_unsharded_grad(fsdp_param: Any) -> None:
     """Drops the gradients a parameter holds unreduced (``reduce_grads=False``)."""
     unsharded = getattr(fsdp_param, "_unsharded_param", None)

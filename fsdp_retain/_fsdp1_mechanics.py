@@ -1,0 +1,92 @@
+"""What FSDP1 does per unit that the block runs itself, or undoes after a pass.
+
+Part of the FSDP1 backend with ``_fsdp1.py`` (private FSDP1 access). FSDP1's
+root final callback assumes each forward has one backward: it drops the
+post-backward hooks, the forward order that drives prefetching and, for freed
+units, the flag that makes the next pass re-gather. ``rearm`` puts them back
+after each pass; ``reset_iteration`` leaves FSDP1 as that callback would at
+the block exit; ``pre_backward`` is FSDP1's per-unit pre-backward hook, for a
+pass that reaches a unit's parameters before (or without) its outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._fsdp1_compat import HOOK_STATE, internals
+from ._fsdp1_units import ForwardRecorder, Unit
+
+
+def pre_backward(unit: Unit) -> None:
+    """FSDP1's per-unit pre-backward hook."""
+    fsdp, state, handle = internals(), unit.state, unit.handle
+    state.training_state = fsdp.TrainingState.FORWARD_BACKWARD
+    handle._training_state = fsdp.HandleTrainingState.BACKWARD_PRE
+    if handle._needs_pre_backward_unshard:
+        if not handle._prefetched:
+            fsdp.unshard(state, handle, state._unshard_stream, state._pre_unshard_stream)
+        state._device_handle.current_stream().wait_stream(state._unshard_stream)
+    handle._needs_pre_backward_unshard = False
+    # FSDP's hook, which now returns early, would prefetch the unit next in
+    # backward order here (a re-gathered unit after a kept one).
+    fsdp.prefetch_handle(state, handle, fsdp.PrefetchMode.BACKWARD)
+    handle.prepare_gradient_for_backward()
+    handle._ran_pre_backward_hook = True
+
+
+def rearm(model: Any, units: list[Unit], recorder: ForwardRecorder) -> None:
+    """Undoes what FSDP's root final callback assumes about "the" backward."""
+    for unit in units:
+        flat_param = unit.flat_param
+        if unit.acc_grads and not hasattr(flat_param, HOOK_STATE):
+            # FSDP's final callback removed it; later passes must reduce too.
+            node = unit.acc_grads[0]
+            hook = node.register_hook(recorder.post_backward_fn(unit))
+            setattr(flat_param, HOOK_STATE, (node, hook))
+        if unit.regather:
+            # The pre-backward unshard all-gathers only if the storage was
+            # freed; it also shows the unsharded views that activation
+            # checkpointing recomputes with.
+            unit.handle._needs_pre_backward_unshard = True
+            if unit.forward_tensors is not None:
+                # use_orig_params=True re-points these views in the
+                # pre-backward unshard; FSDP dropped them after backward.
+                flat_param._tensors[:] = unit.forward_tensors
+    # The forward order drives FSDP's backward prefetching.
+    model._exec_order_data.handles_post_forward_order[:] = recorder.forward_order
+    for unit in units:
+        unit.handle._post_forward_index = unit.forward_index
+
+
+def reshard_all(units: list[Unit]) -> None:
+    """Frees every unit's unsharded flat parameter; communicates nothing."""
+    fsdp = internals()
+    for unit in units:
+        handle = unit.handle
+        handle._training_state = fsdp.HandleTrainingState.IDLE
+        if handle.uses_sharded_strategy and not handle.needs_unshard():
+            fsdp.reshard(unit.state, handle, True)
+
+
+def reset_iteration(model: Any, states: list[Any], units: list[Unit]) -> None:
+    """Leaves FSDP as its root final callback does after a backward."""
+    fsdp = internals()
+    for state in states:
+        state.training_state = fsdp.TrainingState.IDLE
+    model._post_backward_callback_queued = False
+    model._exec_order_data.handles_post_forward_order.clear()
+    for unit in units:
+        handle, flat_param = unit.handle, unit.flat_param
+        hook_state = getattr(flat_param, HOOK_STATE, None)
+        if hook_state is not None:
+            hook_state[-1].remove()
+            delattr(flat_param, HOOK_STATE)
+        handle._training_state = fsdp.HandleTrainingState.IDLE
+        handle._needs_pre_backward_unshard = False
+        handle._ran_pre_backward_hook = False
+        handle._prefetched = False
+        handle._post_forward_index = None
+        if handle._use_orig_params and flat_param._tensors is not None:
+            # The forward's views, as FSDP drops them after a unit's backward
+            # (also for units an exception kept from running backward).
+            flat_param._tensors[:] = [None] * len(flat_param._tensors)

@@ -1,0 +1,73 @@
+"""The gradients an FSDP2 block holds back (``sync_grads="last"``).
+
+Part of the FSDP2 backend with ``_fsdp2.py``. With gradients held back as
+unsharded tensors, the sharded ``.grad`` the optimizer clears is not where
+they live. ``HeldGrads`` marks each sharded ``.grad`` after a pass that held
+gradients back, so that a ``zero_grad()`` between passes reaches them too: a
+parameter with pending gradients gets a zero ``.grad`` if it has none; if that
+tensor is later replaced, set to None or zeroed in place, the pending
+gradients go too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ._fsdp2_compat import clear_unsharded_grad, grad_version, has_pending_grad
+
+
+@dataclasses.dataclass
+class _Sentinel:
+    grad: torch.Tensor
+    version: tuple[int, int]
+    created: bool
+
+
+class HeldGrads:
+    """The sentinels of one block, per FSDP parameter."""
+
+    def __init__(self) -> None:
+        self._sentinels: dict[Any, _Sentinel] = {}
+
+    def record(self, groups: list[Any]) -> None:
+        """Marks the sharded ``.grad`` of every parameter with pending gradients."""
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                if not has_pending_grad(fsdp_param):
+                    continue
+                param = fsdp_param.sharded_param
+                old = self._sentinels.get(fsdp_param)
+                created = param.grad is None or (old is not None and old.created)
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                self._sentinels[fsdp_param] = _Sentinel(
+                    param.grad, grad_version(param.grad), created
+                )
+
+    def check(self) -> None:
+        """Drops the pending gradients of every parameter whose ``.grad`` was cleared."""
+        for fsdp_param, sentinel in list(self._sentinels.items()):
+            grad = fsdp_param.sharded_param.grad
+            if grad is sentinel.grad and grad_version(grad) == sentinel.version:
+                continue
+            clear_unsharded_grad(fsdp_param)
+            del self._sentinels[fsdp_param]
+
+    def drop_unused(self) -> None:
+        """Removes the zero ``.grad`` this block created where nothing was added."""
+        for fsdp_param, sentinel in self._sentinels.items():
+            param = fsdp_param.sharded_param
+            if (
+                sentinel.created
+                and param.grad is sentinel.grad
+                and grad_version(param.grad) == sentinel.version
+            ):
+                param.grad = None
+        self._sentinels.clear()
+
+    def forget(self) -> None:
+        """Before a reduction that adds onto the marked ``.grad`` tensors: keep them."""
+        self._sentinels.clear()
