@@ -1,22 +1,16 @@
 """Run many distributed test cases inside one multi-process launch (CPU, gloo).
 
 A cases module registers functions with ``@registry.case``; pytest launches
-all ranks once per module (``launch``), every rank runs every case in order
-with a barrier after each, and each case becomes one pytest test that fails
-with every rank's traceback and output tail.
+all ranks once per module and world size (``launch``), every rank runs every
+case in order with a barrier after each, and each case becomes one pytest test
+that fails with every rank's traceback and output tail. When pytest selects
+some of the cases (``-k``, node ids, ``--deselect``), the launch runs only those.
 
-Usage in a test file::
+A test file is a docstring saying what its cases cover, then::
 
-    from tests import cases_fsdp2
-    from tests.harness import launch, check_case
+    from tests.harness import case_tests
 
-    @pytest.fixture(scope="module")
-    def results():
-        return launch("tests.cases_fsdp2", world_size=2, timeout=600)
-
-    @pytest.mark.parametrize("name", cases_fsdp2.registry.names(world_size=2))
-    def test_fsdp2(results, name):
-        check_case(results, name)
+    case_tests(globals(), "tests.cases_fsdp2", {"test_fsdp2": (2, 600)})
 """
 
 from __future__ import annotations
@@ -205,6 +199,56 @@ def check_case(result: LaunchResult, name: str) -> None:
             + "\n\n"
             + result.output_tail()
         )
+
+
+def case_tests(
+    namespace: dict, module: str, launches: dict[str, tuple[int, float]]
+) -> None:
+    """Defines the tests of a cases module in a test file's ``namespace`` (its ``globals()``).
+
+    For each ``test_name: (world_size, timeout)`` in ``launches``: ``test_name``,
+    parametrized over the cases of ``module`` for that world size (ids
+    ``test_name[case]``), each checking one case; and a module-scoped fixture that
+    launches them once, on ``world_size`` ranks within ``timeout`` seconds. The launch
+    runs the cases that pytest selected: all of them in a full run, one for
+    ``pytest tests/test_fsdp2.py -k some_case``.
+
+    Example::
+
+        case_tests(globals(), "tests.cases_fsdp1", {
+            "test_fsdp1_ws2": (2, 900),
+            "test_fsdp1_ws1": (1, 300),
+        })
+    """
+    for test_name, (world_size, timeout) in launches.items():
+        _define_case_test(namespace, module, test_name, world_size, timeout)
+
+
+def _define_case_test(namespace: dict, module: str, test_name: str, world_size: int,
+                      timeout: float) -> None:
+    import pytest  # here, not at the top: the ranks import this module too
+
+    names = importlib.import_module(module).registry.names(world_size)
+    fixture_name = f"_{test_name}_launch"
+
+    @pytest.fixture(scope="module", name=fixture_name)
+    def launched(request) -> LaunchResult:
+        # The items left once collection is done (-k, node ids, --deselect, --lf):
+        # launch their cases only, in the registry's order; all of them as cases=None.
+        selected = {item.callspec.params["name"] for item in request.session.items
+                    if getattr(item, "function", None) is test}
+        cases = [name for name in names if name in selected]
+        return launch(module, world_size, timeout=timeout,
+                      cases=None if len(cases) == len(names) else cases)
+
+    @pytest.mark.parametrize("name", names)
+    def test(request, name: str) -> None:
+        check_case(request.getfixturevalue(fixture_name), name)
+
+    test.__name__ = test.__qualname__ = test_name
+    test.__module__ = namespace["__name__"]
+    namespace[fixture_name] = launched
+    namespace[test_name] = test
 
 
 def _worker(module: str, out: Path, names: list[str]) -> int:

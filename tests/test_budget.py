@@ -5,8 +5,7 @@ world size 2 (tests/cases_budget.py)."""
 import pytest
 
 from fsdp_retain._policy import RetainOptions, kept_units
-from tests import cases_budget
-from tests.harness import check_case, launch
+from tests.harness import case_tests
 
 UNITS = [("root", 100), ("b2", 50), ("b1", 50), ("b0", 50)]
 
@@ -41,14 +40,7 @@ def test_bad_budget_names_the_fix(bad, error):
         RetainOptions(keep_unsharded=bad)
 
 
-@pytest.fixture(scope="module")
-def results():
-    return launch("tests.cases_budget", world_size=2, timeout=900)
-
-
-@pytest.mark.parametrize("name", cases_budget.registry.names(world_size=2))
-def test_budget(results, name):
-    check_case(results, name)
+case_tests(globals(), "tests.cases_budget", {"test_budget": (2, 900)})
 
 
 def test_report_budget_modes_pass_a_byte_budget():

@@ -10,37 +10,10 @@ fallback. Parity is against an unsharded reference over 3 SGD-momentum steps;
 collective counts follow the formulas in tests/fsdp1_utils.py.
 """
 
-import pytest
+from tests.harness import case_tests
 
-from tests import cases_fsdp1
-from tests.harness import check_case, launch
-
-
-@pytest.fixture(scope="module")
-def results_ws2():
-    return launch("tests.cases_fsdp1", world_size=2, timeout=900)
-
-
-@pytest.fixture(scope="module")
-def results_ws4():
-    return launch("tests.cases_fsdp1", world_size=4, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def results_ws1():
-    return launch("tests.cases_fsdp1", world_size=1, timeout=300)
-
-
-@pytest.mark.parametrize("name", cases_fsdp1.registry.names(world_size=2))
-def test_fsdp1_ws2(results_ws2, name):
-    check_case(results_ws2, name)
-
-
-@pytest.mark.parametrize("name", cases_fsdp1.registry.names(world_size=4))
-def test_fsdp1_hybrid_ws4(results_ws4, name):
-    check_case(results_ws4, name)
-
-
-@pytest.mark.parametrize("name", cases_fsdp1.registry.names(world_size=1))
-def test_fsdp1_ws1(results_ws1, name):
-    check_case(results_ws1, name)
+case_tests(globals(), "tests.cases_fsdp1", {
+    "test_fsdp1_ws2": (2, 900),
+    "test_fsdp1_hybrid_ws4": (4, 600),
+    "test_fsdp1_ws1": (1, 300),
+})

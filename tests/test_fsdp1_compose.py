@@ -5,17 +5,6 @@ apply_activation_checkpointing, exceptions compared by state snapshot, and 50
 steps without growth. See tests/cases_fsdp1_compose.py for tolerances and
 what each case asserts."""
 
-import pytest
+from tests.harness import case_tests
 
-from tests import cases_fsdp1_compose
-from tests.harness import check_case, launch
-
-
-@pytest.fixture(scope="module")
-def results():
-    return launch("tests.cases_fsdp1_compose", world_size=2, timeout=600)
-
-
-@pytest.mark.parametrize("name", cases_fsdp1_compose.registry.names(world_size=2))
-def test_fsdp1_compose(results, name):
-    check_case(results, name)
+case_tests(globals(), "tests.cases_fsdp1_compose", {"test_fsdp1_compose": (2, 600)})

@@ -7,17 +7,6 @@ pass with sync_grads="every") match an unsharded reference over 3 SGD-momentum
 steps, and the collective counts match the formulas in tests/fsdp2_utils.py.
 """
 
-import pytest
+from tests.harness import case_tests
 
-from tests import cases_fsdp2
-from tests.harness import check_case, launch
-
-
-@pytest.fixture(scope="module")
-def results():
-    return launch("tests.cases_fsdp2", world_size=2, timeout=900)
-
-
-@pytest.mark.parametrize("name", cases_fsdp2.registry.names(world_size=2))
-def test_fsdp2(results, name):
-    check_case(results, name)
+case_tests(globals(), "tests.cases_fsdp2", {"test_fsdp2": (2, 900)})

@@ -10,19 +10,11 @@ import torch
 
 from fsdp_retain._policy import RetainOptions
 from fsdp_retain._saved_tensors import SavedTensorCheck, fingerprint
-from tests import cases_integrity
 from tests.cases_integrity import InplaceLogProb
-from tests.harness import check_case, launch
+from tests.harness import case_tests
 
 
-@pytest.fixture(scope="module")
-def results():
-    return launch("tests.cases_integrity", world_size=2, timeout=900)
-
-
-@pytest.mark.parametrize("name", cases_integrity.registry.names(world_size=2))
-def test_integrity(results, name):
-    check_case(results, name)
+case_tests(globals(), "tests.cases_integrity", {"test_integrity": (2, 900)})
 
 
 class _Checked:

@@ -12,17 +12,6 @@ accumulation; with keep_unsharded=False a probe pass frees each unit after its
 backward (FSDP1 FULL_SHARD, FSDP2); misuse gets clear errors.
 """
 
-import pytest
+from tests.harness import case_tests
 
-from tests import cases_probe
-from tests.harness import check_case, launch
-
-
-@pytest.fixture(scope="module")
-def results():
-    return launch("tests.cases_probe", world_size=2, timeout=600)
-
-
-@pytest.mark.parametrize("name", cases_probe.registry.names(world_size=2))
-def test_probe(results, name):
-    check_case(results, name)
+case_tests(globals(), "tests.cases_probe", {"test_probe": (2, 600)})

@@ -15,12 +15,14 @@ trackers. ``--simulate-world-size N`` estimates memory only, for N ranks, in
 one process with a fake process group and fake tensors.
 
 The core library never imports this package. One concern per module:
-``_modes`` (what each mode runs and promises), ``_config`` (``ReportConfig``,
-presets), ``_cli``, ``_model`` (build and wrap), ``_step`` (the training step),
+``_modes`` (what each mode runs and promises, the bounds), ``_config``
+(``ReportConfig``, presets), ``_cli``, ``_hf_config`` (reading a
+``config.json``), ``_model`` (build and wrap), ``_step`` (the training step),
 ``_hooks`` (what a measurement wraps around a step), ``_deps`` (what it needs
-beyond torch, checked up front), ``_memory`` (peak and
-breakdown), ``_runner`` (one backend on one rank), ``_results`` (rows, bounds,
-the report), ``_simulate``, ``_launch`` (ranks), ``_output`` (the files).
+beyond torch, checked up front), ``_memory`` (peak and breakdown), ``_runner``
+(one backend on one rank), ``_rows`` (``ReportRow``: the schema of a row),
+``_results`` (rows from every rank, the comparisons, the report), ``_simulate``,
+``_launch`` (ranks), ``_output`` (the files).
 """
 
 from ._cli import main, parse_args

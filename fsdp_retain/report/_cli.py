@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
     failed = unexpected_failures(report)
     if failed:
         print(f"error: {len(failed)} requested row(s) could not be produced: "
-              + "; ".join(f"{r['backend']} {r['label']}: {r['error']}" for r in failed),
+              + "; ".join(f"{r.backend} {r.label}: {r.error}" for r in failed),
               file=sys.stderr, flush=True)
         return 1
     return 0

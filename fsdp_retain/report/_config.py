@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ._hf_config import config_dims
 from ._modes import DEFAULT_MODES, Mode
 
 BACKENDS = ("fsdp2", "fsdp1")  # the default
@@ -111,8 +112,6 @@ class ReportConfig:
     def dims(self) -> dict[str, Any]:
         """The model's shape, ``seq_len`` and ``batch`` (per rank), flags applied."""
         if self.model_config is not None:
-            from ._model import config_dims
-
             dims = config_dims(self.model_config)
         else:
             dims = dict(SIZES[self.size])

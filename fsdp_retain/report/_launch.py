@@ -18,6 +18,7 @@ from ._config import MIN_TIMED_STEPS, ReportConfig
 from ._deps import check_dependencies
 from ._model import check_model_config
 from ._results import finish, merge_ranks
+from ._rows import ReportRow
 from ._runner import BackendRun, quiet_known_warnings, say
 from ._simulate import simulate
 
@@ -42,7 +43,7 @@ def worker(cfg: ReportConfig) -> dict | None:
     try:
         if cfg.steps < MIN_TIMED_STEPS and rank == 0:
             say(f"note: {cfg.steps} timed steps (< {MIN_TIMED_STEPS}): timings are rough")
-        rows: list[dict] = []
+        rows: list[ReportRow] = []
         meta: dict = {}
         for backend_name in cfg.backends:
             run = BackendRun(cfg, backend_name, device, rank, world)

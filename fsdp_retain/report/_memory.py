@@ -11,6 +11,8 @@ import functools
 from collections import Counter
 from typing import Any
 
+from ._rows import BREAKDOWN_KEYS
+
 _BUCKETS = {
     "Sharded Param": "sharded_params",
     "Parameter": "sharded_params",
@@ -22,7 +24,6 @@ _BUCKETS = {
     "Gradient": "grads",
     "Activation": "activations",
 }
-BREAKDOWN_KEYS = ("sharded_params", "unsharded_params", "grads", "activations", "other")
 
 
 @functools.lru_cache(maxsize=None)  # called for every op of a tracked step

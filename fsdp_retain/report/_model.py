@@ -3,67 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-from pathlib import Path
-from typing import Any
 
 from ._config import DTYPES, ReportConfig
+from ._hf_config import HF_ATTRS, SUPPORTED, load_config
 
 
 def torch_dtype(cfg: ReportConfig):
     import torch
 
     return getattr(torch, DTYPES[cfg.dtype])
-
-
-# ReportConfig.dims() key -> Hugging Face config attribute
-_HF_ATTRS = dict(layers="num_hidden_layers", hidden="hidden_size",
-                 intermediate="intermediate_size", heads="num_attention_heads",
-                 kv_heads="num_key_value_heads", vocab="vocab_size")
-_SUPPORTED = "a decoder-only causal LM config (Llama, Qwen2, Mistral, ...)"
-
-
-@functools.lru_cache(maxsize=None)
-def _load_config(path: str):
-    import transformers
-    from transformers import AutoConfig
-
-    where = Path(path)
-    if not (where.is_file() or (where / "config.json").is_file()):
-        raise ValueError(
-            f"--model-config {path}: no such file; pass the path of a Hugging Face "
-            "config.json (or of the folder that holds it)"
-        )
-    try:
-        return AutoConfig.from_pretrained(str(where), local_files_only=True)
-    except (ValueError, KeyError, OSError) as exc:  # bad JSON: OSError or ValueError
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise ValueError(
-            f"--model-config {path}: transformers {transformers.__version__} cannot read it "
-            f"({type(exc).__name__}: {first}); pass {_SUPPORTED} with a model_type it knows"
-        ) from exc
-
-
-def config_dims(path: str) -> dict[str, Any]:
-    """``ReportConfig.dims()`` of a ``config.json``; seq_len 2048 (at most), batch 1."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    config = _load_config(path)
-    kind = f"{type(config).__name__} (model_type {config.model_type!r})"
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(
-            f"--model-config {path}: {kind} has no causal LM class in transformers "
-            f"(AutoModelForCausalLM); pass {_SUPPORTED}"
-        )
-    dims = {key: getattr(config, attr, None) for key, attr in _HF_ATTRS.items()}
-    dims["kv_heads"] = dims["kv_heads"] or dims["heads"]
-    missing = [_HF_ATTRS[key] for key, value in dims.items() if value is None]
-    if missing:
-        raise ValueError(f"--model-config {path}: {kind} has no {', '.join(missing)}; "
-                         f"pass {_SUPPORTED}")
-    max_len = getattr(config, "max_position_embeddings", None) or 2048
-    return {**dims, "tie": bool(getattr(config, "tie_word_embeddings", False)),
-            "seq_len": min(2048, max_len), "batch": 1}
 
 
 def hf_config(cfg: ReportConfig):
@@ -84,8 +32,8 @@ def hf_config(cfg: ReportConfig):
             tie_word_embeddings=dims["tie"],
             use_cache=False,
         )
-    base = _load_config(cfg.model_config)
-    values = {**base.to_dict(), **{attr: dims[key] for key, attr in _HF_ATTRS.items()},
+    base = load_config(cfg.model_config)
+    values = {**base.to_dict(), **{attr: dims[key] for key, attr in HF_ATTRS.items()},
               "use_cache": False}
     if dims["layers"] != base.num_hidden_layers:
         values.pop("layer_types", None)  # one entry per layer; rebuilt from the new count
@@ -128,7 +76,7 @@ def check_model_config(cfg: ReportConfig) -> None:
     except Exception as exc:  # noqa: BLE001 - any failure means the same fix
         raise ValueError(
             f"--model-config {cfg.model_config}: transformers cannot build "
-            f"{type(config).__name__} ({type(exc).__name__}: {exc}); pass {_SUPPORTED}"
+            f"{type(config).__name__} ({type(exc).__name__}: {exc}); pass {SUPPORTED}"
         ) from exc
     decoder_layers(model)
 
@@ -143,7 +91,7 @@ def decoder_layers(model):
         raise ValueError(
             f"{type(model).__name__} has no decoder layers at "
             f"model.{getattr(model, 'base_model_prefix', 'model')}.layers, which the report "
-            f"shards one by one; pass {_SUPPORTED}"
+            f"shards one by one; pass {SUPPORTED}"
         )
     return layers
 

@@ -12,8 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 BACKWARDS = 2  # backward passes per step; passed to the library as ``backwards``
-KEEP_SLACK = 0.10  # keep: overhead <= unsharded bytes of all units + 10%
-REGATHER_SLACK = 0.05  # regather: overhead <= 5% of the two_forward peak
+# The memory bounds: the most a mode may add over the two_forward peak.
+KEEP_SLACK = 0.10  # keep and the budget modes: the bytes they hold unsharded, plus this share
+REGATHER_SLACK = 0.05  # regather: this share of the two_forward peak
+KEEP_SLACK_TEXT = f"{KEEP_SLACK:+.0%}"  # "+10%"
+REGATHER_SLACK_TEXT = f"{REGATHER_SLACK:.0%}"  # "5%"
 
 # (sync_grads, two_forward peak bytes, unsharded param bytes) -> (bound bytes, why)
 Bound = Callable[[str | None, int, int], tuple[int, str]]
@@ -23,23 +26,24 @@ def _keep_bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> t
     # sync_grads="last" also holds the unsharded grads of all units until the last backward.
     if sync_grads == "last":
         return (int((1 + KEEP_SLACK) * 2 * unsharded),
-                "unsharded params + unsharded grads of all units +10%")
-    return int((1 + KEEP_SLACK) * unsharded), "unsharded params of all units +10%"
+                f"unsharded params + unsharded grads of all units {KEEP_SLACK_TEXT}")
+    return int((1 + KEEP_SLACK) * unsharded), f"unsharded params of all units {KEEP_SLACK_TEXT}"
 
 
 def _budget_bound(fraction: float) -> Bound:
     def bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> tuple[int, str]:
         budget = int(fraction * unsharded)
+        what = f"budget ({fraction:.0%} of unsharded params)"
         if sync_grads == "last":
             return (int((1 + KEEP_SLACK) * (budget + unsharded)),
-                    f"budget ({fraction:.0%} of unsharded params) + unsharded grads +10%")
-        return int((1 + KEEP_SLACK) * budget), f"budget ({fraction:.0%} of unsharded params) +10%"
+                    f"{what} + unsharded grads {KEEP_SLACK_TEXT}")
+        return int((1 + KEEP_SLACK) * budget), f"{what} {KEEP_SLACK_TEXT}"
 
     return bound
 
 
 def _regather_bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> tuple[int, str]:
-    return int(REGATHER_SLACK * baseline_peak), "5% of two_forward peak"
+    return int(REGATHER_SLACK * baseline_peak), f"{REGATHER_SLACK_TEXT} of two_forward peak"
 
 
 @dataclasses.dataclass(frozen=True)

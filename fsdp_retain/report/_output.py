@@ -6,16 +6,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._modes import MODES, mode_legend
+from ._modes import KEEP_SLACK_TEXT, MODES, REGATHER_SLACK_TEXT, mode_legend
+from ._rows import BREAKDOWN_KEYS, Report, ReportRow
 
 __all__ = ["render_fit_table", "render_markdown", "render_png", "write_report"]
 
-_BREAKDOWN = ("sharded_params", "unsharded_params", "grads", "activations", "other")
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
-def _unit(rows: list[dict]) -> tuple[str, int]:
-    largest = max((r["peak_bytes"] or 0 for r in rows), default=0)
+def _unit(rows: list[ReportRow]) -> tuple[str, int]:
+    largest = max((r.peak_bytes or 0 for r in rows), default=0)
     for name, size in _UNITS:
         if largest >= 10 * size:
             return name, size
@@ -30,8 +30,8 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
-def _mode_cell(row: dict) -> str:
-    return f"`{row['label']}`"
+def _mode_cell(row: ReportRow) -> str:
+    return f"`{row.label}`"
 
 
 def _mib(value: int | None) -> str:
@@ -71,14 +71,14 @@ def _header(cfg: dict, unit: str, size: int) -> list[str]:
     )
 
 
-def _legend(rows: list[dict]) -> list[str]:
-    labels = list(dict.fromkeys(r["label"] for r in rows))
+def _legend(rows: list[ReportRow]) -> list[str]:
+    labels = list(dict.fromkeys(r.label for r in rows))
     return ["## Modes", "", "| mode | what runs |", "|---|---|"] + [
         f"| `{label}` | {mode_legend(label)} |" for label in labels
     ]
 
 
-def _memory_table(rows: list[dict], unit: str, size: int) -> list[str]:
+def _memory_table(rows: list[ReportRow], unit: str, size: int) -> list[str]:
     def scaled(value: int | None, fmt: str = "{:.1f}") -> str:
         return _num(None if value is None else value / size, fmt)
 
@@ -86,29 +86,29 @@ def _memory_table(rows: list[dict], unit: str, size: int) -> list[str]:
         "## Memory (per rank, the rank with the highest peak)",
         "",
         f"| backend | mode | peak ({unit}) | vs two_forward ({unit}) | bound ({unit}) | within | "
-        + " | ".join(k.replace("_", " ") for k in _BREAKDOWN)
+        + " | ".join(k.replace("_", " ") for k in BREAKDOWN_KEYS)
         + " |",
-        "|---|---|--:|--:|--:|:-:|" + "--:|" * len(_BREAKDOWN),
+        "|---|---|--:|--:|--:|:-:|" + "--:|" * len(BREAKDOWN_KEYS),
     ]
     for row in rows:
-        cells = [row["backend"], _mode_cell(row)]
-        if not row["ok"]:
-            what = "expected crash" if row.get("expected_error") else "error"
-            cells += [f"{what} (see below)"] + [""] * (3 + len(_BREAKDOWN))
+        cells = [row.backend, _mode_cell(row)]
+        if not row.ok:
+            what = "expected crash" if row.expected_error else "error"
+            cells += [f"{what} (see below)"] + [""] * (3 + len(BREAKDOWN_KEYS))
         else:
-            breakdown = row["breakdown"] or {}
+            breakdown = row.breakdown or {}
             cells += [
-                scaled(row["peak_bytes"]),
-                scaled(row["memory_overhead_bytes"], "{:+.1f}"),
-                scaled(row["memory_bound_bytes"]),
-                {True: "yes", False: "**NO**", None: ""}[row["within_bound"]],
+                scaled(row.peak_bytes),
+                scaled(row.memory_overhead_bytes, "{:+.1f}"),
+                scaled(row.memory_bound_bytes),
+                {True: "yes", False: "**NO**", None: ""}[row.within_bound],
             ]
-            cells += [scaled(breakdown.get(k, 0)) if breakdown else "-" for k in _BREAKDOWN]
+            cells += [scaled(breakdown.get(k, 0)) if breakdown else "-" for k in BREAKDOWN_KEYS]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def _time_table(rows: list[dict]) -> list[str]:
+def _time_table(rows: list[ReportRow]) -> list[str]:
     lines = [
         "## Time and communication (per step)",
         "",
@@ -117,30 +117,30 @@ def _time_table(rows: list[dict]) -> list[str]:
         "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for row in rows:
-        if row["mode"] == "two_forward":
-            saving = [f"(2nd forward: {_ms(row['forward2_time_s'])})", "baseline"]
+        if row.mode == "two_forward":
+            saving = [f"(2nd forward: {_ms(row.forward2_time_s)})", "baseline"]
         else:
-            saving = [_ms(row["saved_time_s"], "{:+.1f}"), _share(row["share_of_ideal_saving"])]
+            saving = [_ms(row.saved_time_s, "{:+.1f}"), _share(row.share_of_ideal_saving)]
         cells = [
-            row["backend"], _mode_cell(row), _ms(row["step_time_s"]),
-            _num(row["time_ratio"], "{:.2f}x"), *saving,
-            _num(row["all_gathers_per_step"], "{}"), _mib(row["all_gather_bytes_per_step"]),
-            _prefetched(row.get("prefetched_all_gathers")),
-            _num(row["reduce_scatters_per_step"], "{}"), _mib(row["reduce_scatter_bytes_per_step"]),
+            row.backend, _mode_cell(row), _ms(row.step_time_s),
+            _num(row.time_ratio, "{:.2f}x"), *saving,
+            _num(row.all_gathers_per_step, "{}"), _mib(row.all_gather_bytes_per_step),
+            _prefetched(row.prefetched_all_gathers),
+            _num(row.reduce_scatters_per_step, "{}"), _mib(row.reduce_scatter_bytes_per_step),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def _prefetched(pair) -> str:
+def _prefetched(pair: list[int] | None) -> str:
     """``prefetched/could be`` backward all-gathers; ``-`` when none was re-gathered."""
     if not pair or not pair[1]:
         return "-"
     return f"{pair[0]}/{pair[1]}"
 
 
-def _probe_lines(rows: list[dict]) -> list[str]:
-    probes = [r for r in rows if r.get("probe_backward_ratio") is not None]
+def _probe_lines(rows: list[ReportRow]) -> list[str]:
+    probes = [r for r in rows if r.probe_backward_ratio is not None]
     if not probes:
         return []
     lines = [
@@ -150,10 +150,12 @@ def _probe_lines(rows: list[dict]) -> list[str]:
         "|---|---|--:|--:|--:|--:|",
     ]
     for r in probes:
-        full = r["backward1_time_s"] / r["probe_backward_ratio"]
+        # Set together (add_probe_comparisons): the ratio is computed from backward 1.
+        assert r.backward1_time_s is not None and r.probe_backward_ratio is not None, r
+        full = r.backward1_time_s / r.probe_backward_ratio
         lines.append(
-            f"| {r['backend']} | {_mode_cell(r)} | {_ms(r['backward1_time_s'])} | {_ms(full)} "
-            f"| {r['probe_backward_ratio']:.2f}x | {r['projected_h200_step_ratio']:.2f}x |"
+            f"| {r.backend} | {_mode_cell(r)} | {_ms(r.backward1_time_s)} | {_ms(full)} "
+            f"| {r.probe_backward_ratio:.2f}x | {r.projected_h200_step_ratio:.2f}x |"
         )
     lines += [
         "",
@@ -164,52 +166,51 @@ def _probe_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _check_lines(rows: list[dict]) -> list[str]:
-    checks = [r for r in rows if r.get("check_cost_ratio") is not None]
+def _check_lines(rows: list[ReportRow]) -> list[str]:
+    checks = [r for r in rows if r.check_cost_ratio is not None]
     if not checks:
         return []
     return ["Cost of `check_saved_tensors=True` (step time against the `keep` row with the "
             "same sync_grads, same run): "
-            + ", ".join(f"{r['backend']} {r['check_cost_ratio']:.2f}x" for r in checks) + "."]
+            + ", ".join(f"{r.backend} {r.check_cost_ratio:.2f}x" for r in checks) + "."]
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def render_markdown(report: Report) -> str:
     """A table a user can paste in an issue, with the command and the setup above it."""
-    cfg, rows = report["config"], report["rows"]
+    cfg, rows = report.config, report.rows
     unit, size = _unit(rows)
-    ok_rows = [r for r in rows if r["ok"]]
+    ok_rows = [r for r in rows if r.ok]
     lines = _header(cfg, unit, size) + [""] + _legend(rows) + [""] + _memory_table(rows, unit, size)
     if not cfg["simulated"]:
         lines += [""] + _time_table(ok_rows)
         for extra in (_probe_lines(ok_rows), _check_lines(ok_rows)):
             if extra:
                 lines += [""] + extra
-    no_breakdown = [r for r in ok_rows if r.get("breakdown_error")]
+    no_breakdown = [r for r in ok_rows if r.breakdown_error]
     if no_breakdown:
         lines += ["", "No breakdown (torch's memory tracker failed; the peak stands):", ""]
-        lines += [f"- {r['backend']} {_mode_cell(r)}: `{r['breakdown_error']}`"
-                  for r in no_breakdown]
-    failed = [r for r in rows if not r["ok"]]
+        lines += [f"- {r.backend} {_mode_cell(r)}: `{r.breakdown_error}`" for r in no_breakdown]
+    failed = [r for r in rows if not r.ok]
     if failed:
         lines += ["", "## Errors", ""]
         for r in failed:
-            if r.get("expected_error"):
+            if r.expected_error:
                 where = (" Under fake tensors it surfaces as a different error."
                          if cfg["simulated"] else "")
-                lines.append(f"- {r['backend']} {_mode_cell(r)}: the expected crash: "
-                             f"{r['expected_error']}.{where} Recorded: `{r['error']}`")
+                lines.append(f"- {r.backend} {_mode_cell(r)}: the expected crash: "
+                             f"{r.expected_error}.{where} Recorded: `{r.error}`")
             else:
-                lines.append(f"- {r['backend']} {_mode_cell(r)}: `{r['error']}`")
-        if cfg["simulated"] and any(not r.get("expected_error") for r in failed):
+                lines.append(f"- {r.backend} {_mode_cell(r)}: `{r.error}`")
+        if cfg["simulated"] and any(not r.expected_error for r in failed):
             lines.append("- (Simulated: an error may come from fake tensors, not from FSDP.)")
     lines += ["", "## How to read this", ""]
     lines += _notes(cfg, rows)
     return "\n".join(lines) + "\n"
 
 
-def _notes(cfg: dict, rows: list[dict]) -> list[str]:
-    sources = sorted({r["memory_source"] for r in rows if r["ok"] and r["memory_source"]})
-    trackers = sorted({(r["breakdown_detail"] and "tracker") or "" for r in rows} - {""})
+def _notes(cfg: dict, rows: list[ReportRow]) -> list[str]:
+    sources = sorted({r.memory_source for r in rows if r.ok and r.memory_source})
+    trackers = sorted({(r.breakdown_detail and "tracker") or "" for r in rows} - {""})
     notes = [
         f"- Peak: {', '.join(sources) or 'n/a'}; breakdown at the peak from torch's "
         "`FSDPMemTracker` (FSDP2) or `MemTracker` (FSDP1; all-gather outputs count as "
@@ -217,8 +218,9 @@ def _notes(cfg: dict, rows: list[dict]) -> list[str]:
         "and other temporaries of backward, inputs, buffers, optimizer state."
         if trackers else "- Peak: n/a.",
         "- Bounds on the overhead against `two_forward`: `keep` at most the unsharded params of "
-        "all units +10% (with `sync_grads=\"last\"` also their unsharded grads, which wait for the "
-        "last backward); `regather` at most 5% of the `two_forward` peak.",
+        f"all units {KEEP_SLACK_TEXT} (with `sync_grads=\"last\"` also their unsharded grads, "
+        f"which wait for the last backward); `regather` at most {REGATHER_SLACK_TEXT} of the "
+        "`two_forward` peak.",
     ]
     if not cfg["simulated"]:
         notes += [
@@ -249,22 +251,23 @@ def _notes(cfg: dict, rows: list[dict]) -> list[str]:
     return notes
 
 
-def render_fit_table(report: dict[str, Any]) -> str:
+def render_fit_table(report: Report) -> str:
     """Per-rank peak memory, one row per mode and one column per backend ("will it fit?")."""
-    cfg, rows = report["config"], report["rows"]
+    cfg, rows = report.config, report.rows
     unit, size = _unit(rows)
-    backends = list(dict.fromkeys(r["backend"] for r in rows))
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    by_key = {(r["backend"], r["label"]): r for r in rows}
+    backends = list(dict.fromkeys(r.backend for r in rows))
+    labels = list(dict.fromkeys(r.label for r in rows))
+    by_key = {(r.backend, r.label): r for r in rows}
 
-    def cell(row: dict | None) -> str:
+    def cell(row: ReportRow | None) -> str:
         if row is None:
             return ""
-        if not row["ok"]:
-            return "crashes (expected)" if row.get("expected_error") else "error"
-        change = row["memory_overhead_bytes"]
-        peak = _num(row["peak_bytes"] / size)
-        return peak if change is None or row["mode"] == "two_forward" else (
+        if not row.ok:
+            return "crashes (expected)" if row.expected_error else "error"
+        change = row.memory_overhead_bytes
+        assert row.peak_bytes is not None, row  # measured in every row that ran
+        peak = _num(row.peak_bytes / size)
+        return peak if change is None or row.mode == "two_forward" else (
             f"{peak} ({change / size:+.1f})")
 
     simulated = " (simulated)" if cfg["simulated"] else ""
@@ -283,56 +286,57 @@ def render_fit_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _error_mark(ax: Any, x: int, row: dict) -> None:
-    expected = bool(row.get("expected_error"))
+def _error_mark(ax: Any, x: int, row: ReportRow) -> None:
+    expected = bool(row.expected_error)
     ax.text(x, 0, "expected crash" if expected else "error", ha="center", va="bottom",
             color="tab:gray" if expected else "red", rotation=90)
 
 
-def render_png(report: dict[str, Any], path: Path) -> None:
+def render_png(report: Report, path: Path) -> None:
     """Peak memory (stacked by breakdown) and step time per mode, one bar per row."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cfg, rows = report["config"], report["rows"]
+    cfg, rows = report.config, report.rows
     unit, size = _unit(rows)
-    names = [r["backend"] + "\n" + r["label"].replace(":", "\n") for r in rows]
+    names = [r.backend + "\n" + r.label.replace(":", "\n") for r in rows]
     xs = list(range(len(rows)))
     timed = not cfg["simulated"]
     curves = _tradeoff_curves(rows)
     panels = (2 if timed else 1) + (1 if curves else 0)
     width = max(8.0, 1.2 * len(rows)) * panels / 1.4
-    labels = list(dict.fromkeys(r["label"] for r in rows))
+    labels = list(dict.fromkeys(r.label for r in rows))
     legend_in = 0.2 + 0.16 * len(labels)  # inches under the panels for the mode legend
     height = 4.8 + legend_in
     fig, axes = plt.subplots(1, panels, figsize=(width, height), squeeze=False)
     ax = axes[0][0]
     bottom = [0.0] * len(rows)
-    for key in _BREAKDOWN:
-        heights = [((r["breakdown"] or {}).get(key, 0) / size) if r["ok"] else 0 for r in rows]
+    for key in BREAKDOWN_KEYS:
+        heights = [((r.breakdown or {}).get(key, 0) / size) if r.ok else 0 for r in rows]
         ax.bar(xs, heights, bottom=bottom, label=key.replace("_", " "))
         bottom = [b + h for b, h in zip(bottom, heights)]
     for x, row in zip(xs, rows):
-        if not row["ok"]:
+        if not row.ok:
             _error_mark(ax, x, row)
-        elif row["peak_bytes"] is not None:
-            ax.plot([x - 0.4, x + 0.4], [row["peak_bytes"] / size] * 2, color="black", lw=1)
+        elif row.peak_bytes is not None:
+            ax.plot([x - 0.4, x + 0.4], [row.peak_bytes / size] * 2, color="black", lw=1)
     ax.set_ylabel(f"peak memory per rank ({unit})")
     ax.set_title("Peak memory\n(black line: reported peak)", fontsize=10)
     ax.set_xticks(xs, names, fontsize=7)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if timed:
         ax = axes[0][1]
-        times = [1e3 * r["step_time_s"] if r["ok"] and r["step_time_s"] else 0 for r in rows]
+        times = [1e3 * r.step_time_s if r.ok and r.step_time_s else 0 for r in rows]
         ax.bar(xs, times, color="tab:gray")
         for x, row in zip(xs, rows):
-            if not row["ok"]:
+            if not row.ok:
                 _error_mark(ax, x, row)
-            elif row["mode"] == "two_forward" and row["forward2_time_s"]:
-                same = [i for i, r in zip(xs, rows) if r["backend"] == row["backend"]]
-                ideal = 1e3 * (row["step_time_s"] - row["forward2_time_s"])
+            elif row.mode == "two_forward" and row.forward2_time_s:
+                same = [i for i, r in zip(xs, rows) if r.backend == row.backend]
+                assert row.step_time_s is not None, row  # timed with its second forward
+                ideal = 1e3 * (row.step_time_s - row.forward2_time_s)
                 ax.hlines(ideal, min(same) - 0.4, max(same) + 0.4, ls="--", lw=0.8,
                           color="tab:green")
         ax.set_ylabel("median step time (ms)")
@@ -354,36 +358,39 @@ def render_png(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _tradeoff_curves(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+_Curves = dict[tuple[str, str | None], list[ReportRow]]
+
+
+def _tradeoff_curves(rows: list[ReportRow]) -> _Curves:
     """Per (backend, sync_grads): regather, the byte budgets and keep, in budget order;
     only where at least three of them ran."""
     order = {"regather": 0.0, "keep": 1.0}
-    curves: dict[tuple[str, str], list[tuple[float, dict]]] = {}
+    curves: dict[tuple[str, str | None], list[tuple[float, ReportRow]]] = {}
     for row in rows:
-        budget = order.get(row["mode"])
+        budget = order.get(row.mode)
         if budget is None:
-            spec = MODES.get(row["mode"])
+            spec = MODES.get(row.mode)
             budget = spec.budget if spec is not None else None
-        if budget is None or not row["ok"] or row["memory_overhead_bytes"] is None:
+        if budget is None or not row.ok or row.memory_overhead_bytes is None:
             continue
-        curves.setdefault((row["backend"], row["sync_grads"]), []).append((budget, row))
+        curves.setdefault((row.backend, row.sync_grads), []).append((budget, row))
     return {key: [row for _, row in sorted(points, key=lambda p: p[0])]
             for key, points in curves.items() if len(points) >= 3}
 
 
-def _plot_tradeoff(ax, curves, unit: str, size: float, timed: bool) -> None:
+def _plot_tradeoff(ax, curves: _Curves, unit: str, size: float, timed: bool) -> None:
     """Extra memory against all-gathers per step (and step time, when timed): from
     regather through the byte budgets to keep."""
     for (backend, sync), points in curves.items():
-        xs = [p["memory_overhead_bytes"] / size for p in points]
-        ys = [p["all_gathers_per_step"] or 0 for p in points]
+        xs = [(p.memory_overhead_bytes or 0) / size for p in points]  # never None in a curve
+        ys = [p.all_gathers_per_step or 0 for p in points]
         (line,) = ax.plot(xs, ys, marker="o", label=f"{backend} {sync}: all-gathers")
         for x, y, p in zip(xs, ys, points):
-            ax.annotate(p["mode"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            ax.annotate(p.mode, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         if timed:
             twin = getattr(ax, "_fsdp_retain_twin", None) or ax.twinx()
             ax._fsdp_retain_twin = twin
-            times = [1e3 * (p["step_time_s"] or 0) for p in points]
+            times = [1e3 * (p.step_time_s or 0) for p in points]
             twin.plot(xs, times, ls="--", marker="x", color=line.get_color(),
                       label=f"{backend} {sync}: step (ms)")
             twin.set_ylabel("median step time (ms, dashed)")
@@ -394,7 +401,7 @@ def _plot_tradeoff(ax, curves, unit: str, size: float, timed: bool) -> None:
     ax.legend(fontsize=6, loc="upper right")
 
 
-def write_report(report: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+def write_report(report: Report, out_dir: Path) -> dict[str, Any]:
     """Writes the three files; returns their paths and the Markdown text."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Any] = {
@@ -402,7 +409,7 @@ def write_report(report: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "md": out_dir / "report.md",
         "png": out_dir / "report.png",
     }
-    paths["json"].write_text(json.dumps(report, indent=2) + "\n")
+    paths["json"].write_text(json.dumps(report.to_json(), indent=2) + "\n")
     text = render_markdown(report)
     paths["md"].write_text(text)
     try:

@@ -1,4 +1,4 @@
-"""Merging every rank's results into rows, the comparisons with ``two_forward``, the report."""
+"""Every rank's results merged into rows, the comparisons with ``two_forward``, the report."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from ._config import ReportConfig
 from ._modes import BACKWARDS, MODES
 from ._output import render_fit_table, write_report
+from ._rows import Report, ReportRow
 from ._runner import say
 
 
@@ -20,7 +21,7 @@ def _median(values: list[float]) -> float | None:
 
 
 def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dict,
-                 world: int, simulated: bool) -> list[dict[str, Any]]:
+                 world: int, simulated: bool) -> list[ReportRow]:
     """One row per mode from every rank's results (peaks: the largest rank)."""
     rows = []
     for mode in cfg.mode_list():
@@ -28,94 +29,75 @@ def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dic
         first = results[0]
         error = next((r["error"] for r in results if r.get("error")), None)
         expected = mode.spec.expected_crash.get(backend)
-        row: dict[str, Any] = {
-            "mode": mode.name,
-            "label": mode.label,
-            "backend": backend,
-            "sync_grads": mode.sync_grads,
-            "keep_unsharded": (
+        row = ReportRow(
+            mode=mode.name,
+            label=mode.label,
+            backend=backend,
+            sync_grads=mode.sync_grads,
+            keep_unsharded=(
                 mode.block_options(meta.get("unsharded_param_bytes") or 0)["keep_unsharded"]
                 if mode.uses_library else None
             ),
-            "backwards": BACKWARDS if mode.uses_library else None,
-            "ok": error is None,
-            "error": error,
-            # Why this error is the expected crash (None: the row failed, or ran).
-            "expected_error": (expected if error is not None and not error.startswith("setup:")
-                               else None),
-            "world_size": world,
-            "simulated": simulated,
-            "fsdp_units": meta.get("fsdp_units"),
-            "peak_bytes": None,
-            "peak_bytes_per_rank": None,
-            "memory_source": first.get("memory_source"),
-            "tracker_peak_bytes": None,
-            "breakdown": None,
-            "breakdown_detail": None,
-            "breakdown_error": None,
-            "step_time_s": None,
-            "timed_steps": 0,
-            "forward2_time_s": None,
-            "backward1_time_s": None,
-            "all_gathers_per_step": None,
-            "reduce_scatters_per_step": None,
-            "all_reduces_per_step": None,
-            "all_gather_bytes_per_step": None,
-            "reduce_scatter_bytes_per_step": None,
-            # [prefetched, could be] backward all-gathers (FSDP on real ranks).
-            "prefetched_all_gathers": None,
-        }
+            backwards=BACKWARDS if mode.uses_library else None,
+            ok=error is None,
+            error=error,
+            expected_error=(expected if error is not None and not error.startswith("setup:")
+                            else None),
+            world_size=world,
+            simulated=simulated,
+            fsdp_units=meta.get("fsdp_units"),
+            memory_source=first.get("memory_source"),
+        )
         if error is None:
             peaks = [r.get("peak_bytes") for r in results]
             if all(p is not None for p in peaks):
                 top = max(range(len(peaks)), key=lambda i: peaks[i])
-                row.update(
-                    peak_bytes=peaks[top],
-                    peak_bytes_per_rank=peaks,
-                    tracker_peak_bytes=results[top].get("tracker_peak_bytes"),
-                    breakdown=results[top].get("breakdown"),
-                    breakdown_detail=results[top].get("breakdown_detail"),
-                    breakdown_error=results[top].get("breakdown_error"),
-                )
+                row.peak_bytes = peaks[top]
+                row.peak_bytes_per_rank = peaks
+                row.tracker_peak_bytes = results[top].get("tracker_peak_bytes")
+                row.breakdown = results[top].get("breakdown")
+                row.breakdown_detail = results[top].get("breakdown_detail")
+                row.breakdown_error = results[top].get("breakdown_error")
             # A step ends when its slowest rank does.
             times = [max(ts) for ts in zip(*(r["times"] for r in results))]
             forward2 = [max(ts) for ts in zip(*(r["forward2_times"] for r in results))]
             backward1 = [max(ts) for ts in zip(*(r.get("backward1_times", []) for r in results))]
-            row.update(step_time_s=_median(times), timed_steps=len(times),
-                       forward2_time_s=_median(forward2), backward1_time_s=_median(backward1))
+            row.step_time_s, row.timed_steps = _median(times), len(times)
+            row.forward2_time_s, row.backward1_time_s = _median(forward2), _median(backward1)
             counts = first.get("counts")
             if counts is not None:
-                row.update(
-                    all_gathers_per_step=counts.get("all_gather", 0),
-                    reduce_scatters_per_step=counts.get("reduce_scatter", 0),
-                    all_reduces_per_step=counts.get("all_reduce", 0),
-                    all_gather_bytes_per_step=counts.get("all_gather_bytes", 0),
-                    reduce_scatter_bytes_per_step=counts.get("reduce_scatter_bytes", 0),
-                )
+                row.all_gathers_per_step = counts.get("all_gather", 0)
+                row.reduce_scatters_per_step = counts.get("reduce_scatter", 0)
+                row.all_reduces_per_step = counts.get("all_reduce", 0)
+                row.all_gather_bytes_per_step = counts.get("all_gather_bytes", 0)
+                row.reduce_scatter_bytes_per_step = counts.get("reduce_scatter_bytes", 0)
             prefetch = first.get("prefetch")
             if prefetch is not None:
-                row["prefetched_all_gathers"] = list(prefetch)
+                row.prefetched_all_gathers = list(prefetch)
         rows.append(row)
     return rows
 
 
-def unexpected_failures(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows that could not be produced: failed, and not an expected crash."""
-    return [r for r in report.get("rows", []) if not r["ok"] and not r.get("expected_error")]
+def unexpected_failures(report: dict[str, Any]) -> list[ReportRow]:
+    """The rows of ``report`` (as ``report.json`` holds it) that could not be produced:
+    failed, and not an expected crash."""
+    rows = [ReportRow.from_json(r) for r in report.get("rows", [])]
+    return [r for r in rows if not r.ok and not r.expected_error]
 
 
-def memory_bound(row: dict, baseline_peak: int, unsharded_bytes: int) -> tuple[int | None, str]:
+def memory_bound(row: ReportRow, baseline_peak: int,
+                 unsharded_bytes: int) -> tuple[int | None, str]:
     """The most memory ``row``'s mode may add over ``two_forward``, and why.
 
-    ``keep``: the unsharded parameters of all units (kept from forward to the
-    last backward) +10%; with ``sync_grads="last"`` also their unsharded
-    gradients, which wait for the last backward. ``regather``: 5% of the
-    ``two_forward`` peak. See ``ModeSpec.bound`` in ``_modes.py``.
+    ``keep``: ``1 + KEEP_SLACK`` times the unsharded parameters of all units
+    (kept from forward to the last backward), with ``sync_grads="last"`` and their
+    unsharded gradients, which wait for the last backward. ``regather``:
+    ``REGATHER_SLACK`` times the ``two_forward`` peak. See ``ModeSpec.bound`` in ``_modes.py``.
     """
-    bound = MODES[row["mode"]].bound
+    bound = MODES[row.mode].bound
     if bound is None:
         return None, ""
-    return bound(row["sync_grads"], baseline_peak, unsharded_bytes)
+    return bound(row.sync_grads, baseline_peak, unsharded_bytes)
 
 
 # One RL actor step on one H200 (forward, log-prob backward, second forward, loss
@@ -129,62 +111,65 @@ def projected_step_ratio(backward1_ratio: float, phases: dict = H200_PHASES) -> 
     return kept / sum(phases.values())
 
 
-def add_probe_comparisons(rows: list[dict]) -> None:
+def _same_run_keep(rows: list[ReportRow], row: ReportRow) -> ReportRow | None:
+    """The ``keep`` row of ``row``'s backend, sync_grads and world size."""
+    return next((r for r in rows if r.backend == row.backend and r.mode == "keep"
+                 and r.sync_grads == row.sync_grads and r.world_size == row.world_size), None)
+
+
+def add_probe_comparisons(rows: list[ReportRow]) -> None:
     """Probe rows: backward 1 against the full backward of the same loss (the ``keep``
     row of the same backend and sync_grads, timed in the same run), and that ratio
     projected onto the H200 step profile."""
     for row in rows:
-        if row["mode"] != "probe":
+        if row.mode != "probe":
             continue
-        row.update(probe_backward_ratio=None, projected_h200_step_ratio=None)
-        full = next((r for r in rows if r["backend"] == row["backend"] and r["mode"] == "keep"
-                     and r["sync_grads"] == row["sync_grads"]
-                     and r["world_size"] == row["world_size"]), None)
-        if full is None or not (row["backward1_time_s"] and full["backward1_time_s"]):
+        row.probe_backward_ratio = row.projected_h200_step_ratio = None
+        full = _same_run_keep(rows, row)
+        if full is None or not (row.backward1_time_s and full.backward1_time_s):
             continue
-        ratio = row["backward1_time_s"] / full["backward1_time_s"]
-        row.update(probe_backward_ratio=ratio, projected_h200_step_ratio=projected_step_ratio(ratio))
+        ratio = row.backward1_time_s / full.backward1_time_s
+        row.probe_backward_ratio = ratio
+        row.projected_h200_step_ratio = projected_step_ratio(ratio)
 
 
-def add_check_comparisons(rows: list[dict]) -> None:
+def add_check_comparisons(rows: list[ReportRow]) -> None:
     """Check rows: step time against the ``keep`` row of the same backend and
     sync_grads (the same options without ``check_saved_tensors``), same run."""
     for row in rows:
-        if row["mode"] != "check":
+        if row.mode != "check":
             continue
-        row["check_cost_ratio"] = None
-        keep = next((r for r in rows if r["backend"] == row["backend"] and r["mode"] == "keep"
-                     and r["sync_grads"] == row["sync_grads"]
-                     and r["world_size"] == row["world_size"]), None)
-        if keep is not None and row["step_time_s"] and keep["step_time_s"]:
-            row["check_cost_ratio"] = row["step_time_s"] / keep["step_time_s"]
+        row.check_cost_ratio = None
+        keep = _same_run_keep(rows, row)
+        if keep is not None and row.step_time_s and keep.step_time_s:
+            row.check_cost_ratio = row.step_time_s / keep.step_time_s
 
 
-def add_comparisons(rows: list[dict], unsharded_bytes: int) -> None:
+def add_comparisons(rows: list[ReportRow], unsharded_bytes: int) -> None:
     """Fills savings and overheads against the ``two_forward`` row of each backend."""
     for row in rows:
-        base = next((r for r in rows if r["backend"] == row["backend"]
-                     and r["mode"] == "two_forward" and r["world_size"] == row["world_size"]), None)
-        row.update(time_ratio=None, saved_time_s=None, ideal_saving_s=None,
-                   share_of_ideal_saving=None, memory_overhead_bytes=None,
-                   memory_bound_bytes=None, memory_bound=None, within_bound=None)
-        if base is None or not base["ok"] or not row["ok"]:
+        base = next((r for r in rows if r.backend == row.backend
+                     and r.mode == "two_forward" and r.world_size == row.world_size), None)
+        row.time_ratio = row.saved_time_s = row.ideal_saving_s = None
+        row.share_of_ideal_saving = None
+        row.memory_overhead_bytes = row.memory_bound_bytes = None
+        row.memory_bound = row.within_bound = None
+        if base is None or not base.ok or not row.ok:
             continue
-        if row["step_time_s"] is not None and base["step_time_s"]:
-            saved = base["step_time_s"] - row["step_time_s"]
-            ideal = base["forward2_time_s"]
-            row.update(
-                time_ratio=row["step_time_s"] / base["step_time_s"],
-                saved_time_s=saved,
-                ideal_saving_s=ideal,
-                share_of_ideal_saving=saved / ideal if ideal else None,
-            )
-        if row["peak_bytes"] is not None and base["peak_bytes"] is not None:
-            overhead = row["peak_bytes"] - base["peak_bytes"]
-            bound, why = memory_bound(row, base["peak_bytes"], unsharded_bytes)
-            row.update(memory_overhead_bytes=overhead, memory_bound_bytes=bound,
-                       memory_bound=why or None,
-                       within_bound=None if bound is None else overhead <= bound)
+        if row.step_time_s is not None and base.step_time_s:
+            saved = base.step_time_s - row.step_time_s
+            ideal = base.forward2_time_s
+            row.time_ratio = row.step_time_s / base.step_time_s
+            row.saved_time_s = saved
+            row.ideal_saving_s = ideal
+            row.share_of_ideal_saving = saved / ideal if ideal else None
+        if row.peak_bytes is not None and base.peak_bytes is not None:
+            overhead = row.peak_bytes - base.peak_bytes
+            bound, why = memory_bound(row, base.peak_bytes, unsharded_bytes)
+            row.memory_overhead_bytes = overhead
+            row.memory_bound_bytes = bound
+            row.memory_bound = why or None
+            row.within_bound = None if bound is None else overhead <= bound
 
 
 def config_dict(cfg: ReportConfig, world: int, meta: dict, device) -> dict[str, Any]:
@@ -232,11 +217,12 @@ def config_dict(cfg: ReportConfig, world: int, meta: dict, device) -> dict[str, 
     return out
 
 
-def finish(cfg: ReportConfig, rows: list[dict], meta: dict, world: int, device) -> dict:
+def finish(cfg: ReportConfig, rows: list[ReportRow], meta: dict, world: int, device) -> dict:
+    """Compares the rows, writes the files; returns what ``report.json`` holds."""
     add_comparisons(rows, meta.get("unsharded_param_bytes") or 0)
     add_probe_comparisons(rows)
     add_check_comparisons(rows)
-    report = {"config": config_dict(cfg, world, meta, device), "rows": rows}
+    report = Report(config_dict(cfg, world, meta, device), rows)
     paths = write_report(report, Path(cfg.out))
     if not cfg.simulate_world_size:
         print(paths["md_text"], flush=True)
@@ -246,8 +232,7 @@ def finish(cfg: ReportConfig, rows: list[dict], meta: dict, world: int, device) 
     if cfg.gpu_memory:
         from ._fit import render_budget_fit
 
-        fit = "\n".join(render_budget_fit(report, size) for size in cfg.gpu_memory)
+        fit = "\n".join(render_budget_fit(report.to_json(), size) for size in cfg.gpu_memory)
         (Path(cfg.out) / "budget_fit.md").write_text(fit)
         print(fit, flush=True)
-    return report
-
+    return report.to_json()

@@ -19,6 +19,7 @@ from typing import Any
 from ._config import ReportConfig
 from ._model import make_batch
 from ._results import finish, merge_ranks
+from ._rows import ReportRow
 from ._runner import BackendRun, quiet_known_warnings, say, short_error, start_clock, started
 
 
@@ -43,7 +44,7 @@ def simulate(cfg: ReportConfig) -> dict:
             per_backend = [_simulate_backend(cfg, first)] + [f.result() for f in futures]
     else:
         per_backend = [_simulate_backend(cfg, backend) for backend in cfg.backends]
-    rows: list[dict] = []
+    rows: list[ReportRow] = []
     meta: dict[str, Any] = {}
     for backend_rows, backend_meta in per_backend:
         rows += backend_rows
@@ -51,7 +52,7 @@ def simulate(cfg: ReportConfig) -> dict:
     return finish(cfg, rows, meta, world, torch.device("cpu"))
 
 
-def _simulate_backend(cfg: ReportConfig, backend: str) -> tuple[list[dict], dict[str, Any]]:
+def _simulate_backend(cfg: ReportConfig, backend: str) -> tuple[list[ReportRow], dict[str, Any]]:
     """Rows and model facts of one backend, under a fake process group of this process."""
     import torch
     import torch.distributed as dist
