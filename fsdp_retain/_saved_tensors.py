@@ -129,14 +129,21 @@ class _Saved:
         self.reads = 0
 
 
+# The frame of ``loud``'s wrapper around ``_unpack`` is not a caller either.
+_LOUD_CODE = loud(lambda: None).__code__
+
+
 def _caller(depth: int):
-    """The first frame, ``depth`` or more frames up, whose code is not this module's."""
+    """The first frame, ``depth`` or more frames up, whose code is not this module's
+    (nor ``loud``'s wrapper)."""
     frame: FrameType | None
     try:
         frame = sys._getframe(depth + 1)
     except ValueError:  # called from an autograd thread with no Python caller
         return None
-    while frame is not None and frame.f_code.co_filename == __file__:
+    while frame is not None and (
+        frame.f_code.co_filename == __file__ or frame.f_code is _LOUD_CODE
+    ):
         frame = frame.f_back
     return frame
 

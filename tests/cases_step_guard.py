@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_retain import _common, no_reshard_between_backwards
+from fsdp_retain import _lifecycle, no_reshard_between_backwards
 from tests import fsdp1_utils as f1
 from tests import fsdp2_utils as f2
 from tests.harness import Registry
@@ -156,7 +156,7 @@ def _without_guard(backend: str) -> None:
         if backend == "fsdp1_flat"
         else contextlib.nullcontext()
     )
-    with mock.patch.object(_common, "refuse_step", lambda model: _NoHook()):
+    with mock.patch.object(_lifecycle, "refuse_step", lambda model: _NoHook()):
         with no_reshard_between_backwards(model):
             out = model(batch(0))
             LOSSES[0](out).backward(retain_graph=True)
