@@ -32,20 +32,27 @@ and the parameter coordinator):
   ``AccumulateGrad`` runs, so no reduce hook fires, and the pass skips the
   engine prologue and the partition bookkeeping above.
 
-Pass boundaries: a forward hook on the engine's module puts a tensor hook on
-its outputs; the first one to fire in a graph task starts a pass and queues
-the pass-end callback.
+Pass boundaries: ``_pass_start`` runs ``on_backward_start`` before the first
+node of every backward. A forward hook on the engine's module records the
+autograd nodes that tell whether a pass uses the engine: its outputs', the
+ZeRO-3 modules' inputs (the probe targets, see [Note: probe passes]) and the
+parameters' ``AccumulateGrad`` nodes. If the pass runs one of them it starts
+(before ZeRO-3's hooks on the engine output and on the modules) and queues
+the pass-end callback. So a pass may start from any tensor of the forward,
+e.g. an activation inside the model, not only from the engine's output.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ._common import grad_tensors, queue_callback, require_attr
+from . import _pass_start
+from ._common import RetainError, grad_tensors, queue_callback, require_attr
 from ._lifecycle import BlockBase
 from ._policy import RetainOptions
 
@@ -59,10 +66,6 @@ def _flavour() -> str:
     return f"DeepSpeed {version} ZeRO-3"
 
 
-def _require(obj: object, name: str) -> Any:
-    return require_attr(obj, name, _flavour())
-
-
 def is_deepspeed_engine(model: object) -> bool:
     """True for a ``DeepSpeedEngine``; False (without importing it) if deepspeed is not loaded."""
     if "deepspeed" not in sys.modules:
@@ -74,7 +77,7 @@ def is_deepspeed_engine(model: object) -> bool:
 
 def check_engine(engine: Any) -> None:
     """``ValueError`` for the engine configurations this backend does not handle."""
-    stage = int(_require(engine, "zero_optimization_stage")())
+    stage = int(require_attr(engine, "zero_optimization_stage", _flavour())())
     if stage != 3:
         raise ValueError(
             f"no_reshard_between_backwards supports DeepSpeed ZeRO stage 3, got stage "
@@ -120,13 +123,17 @@ class DeepSpeedBlock(BlockBase):
         check_engine(engine)
         super().__init__(engine, options)
         self._all_kept = self.policy.keeps_all
+        self._flavour = _flavour()
         self._optimizer = engine.optimizer
-        offload = _require(self._optimizer, "parameter_offload")
-        self._coordinator = _require(offload, "get_param_coordinator")()
-        self._root: nn.Module = _require(engine, "module")
+        offload = require_attr(self._optimizer, "parameter_offload", self._flavour)
+        self._coordinator = require_attr(offload, "get_param_coordinator", self._flavour)()
+        self._root: nn.Module = require_attr(engine, "module", self._flavour)
         self._hooks: list[Any] = []
+        # Autograd nodes of the forwards in the block (with the probe targets):
+        # the engine module's outputs, and its parameters' AccumulateGrad nodes.
+        self._output_nodes: list[Any] = []
+        self._acc_grads: list[Any] = []
         self._counters: dict[nn.Module, tuple[int, int]] = {}
-        self._task: int | None = None
         self._reduced = False  # a pass of this block reduce-scattered
         self._bumped_micro_step = False
         self._pending = False  # "last": unreduced gradients held in .grad
@@ -140,11 +147,12 @@ class DeepSpeedBlock(BlockBase):
         raise AssertionError("a DeepSpeed engine is set up by deepspeed.initialize")
 
     def _install(self) -> None:
-        _require(self.model, "_backward_prologue")
-        _require(self._optimizer, "_backward_hook_state")
-        _require(self._optimizer, "micro_step_id")
-        self._saved_coalesce = _require(self._optimizer, "_coalesce_grad_reduction")
-        release = _require(self._coordinator, _RELEASE)
+        flavour = self._flavour
+        require_attr(self.model, "_backward_prologue", flavour)
+        require_attr(self._optimizer, "_backward_hook_state", flavour)
+        require_attr(self._optimizer, "micro_step_id", flavour)
+        self._saved_coalesce = require_attr(self._optimizer, "_coalesce_grad_reduction", flavour)
+        release = require_attr(self._coordinator, _RELEASE, flavour)
         self._installed = True
         if self.policy.keeps_all:
             setattr(self._coordinator, _RELEASE, _keep_gathered)
@@ -152,13 +160,16 @@ class DeepSpeedBlock(BlockBase):
             self._optimizer._coalesce_grad_reduction = True
         self._release = release
         self.model.step = _step_inside_block
-        self._hooks.append(self._root.register_forward_hook(self._hook_outputs))
+        self._hooks.append(self._root.register_forward_hook(self._record_nodes))
         for module in self._root.modules():
             if "pre_bwd_fn" in module.__dict__:
                 self._hooks.append(self.probe_targets.hook_unit(module))
         self._hooks.extend(self.probe_targets.hook_sources(self._root))
+        self._watch()
 
     def _uninstall(self) -> None:
+        self._output_nodes.clear()
+        self._acc_grads.clear()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -202,21 +213,32 @@ class DeepSpeedBlock(BlockBase):
         self._counters.clear()
 
     # Pass boundaries #
-    def _hook_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _record_nodes(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or self._in_backward():
             return
-        for tensor in grad_tensors(output):
-            tensor.register_hook(self._on_output_grad)
-
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != self._task:
-            self._task = task
-            self._on_pass_start()
-            queue_callback(self._on_pass_end)
+        self._output_nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
+        if self._acc_grads:
+            return  # held here, so every later forward's graph uses the same nodes
+        for param in self._root.parameters():
+            if param.requires_grad:
+                # The node this forward's graph holds (ZeRO-3 swaps only .data).
+                self._acc_grads.append(param.expand_as(param).grad_fn.next_functions[0][0])
 
     def on_backward_start(self) -> None:
-        """Passes start at the engine's outputs (``_on_output_grad``)."""
+        """Inside every backward, before its first node runs (see ``_pass_start``).
+
+        That is inside ``loss.backward()``, so after what ``engine.backward`` does
+        first (scale the loss, mark an engine backward running), and before
+        ZeRO-3's hook on the engine output runs the engine's backward prologue
+        (a forward's first pass; ``_restart_engine_backward`` runs it in later ones).
+        """
+        run = _pass_start.will_run
+        inputs = (edge.node for edge in self.probe_targets.edges.values())
+        nodes = itertools.chain(self._output_nodes, inputs, self._acc_grads)
+        if not any(map(run, nodes)):
+            return  # another model's backward
+        self._on_pass_start()
+        queue_callback(self._on_pass_end)
 
     def _on_pass_start(self) -> None:
         index = self._start_pass()
@@ -236,7 +258,6 @@ class DeepSpeedBlock(BlockBase):
 
     def _on_pass_end(self) -> None:
         self._end_pass()
-        self._task = None
 
     # keep_unsharded=False: per-module fetch and release on every pass #
     def _rearm_module_hooks(self, first: bool) -> None:
@@ -286,7 +307,7 @@ class DeepSpeedBlock(BlockBase):
 
 
 def _step_inside_block(*args: Any, **kwargs: Any) -> None:
-    raise RuntimeError(
+    raise RetainError(
         "engine.step() was called inside no_reshard_between_backwards: the block still "
         "holds parameters and gradients for later passes. Call engine.step() after the "
         "block (with accelerate, the last pass must not go through accelerator.backward, "

@@ -142,6 +142,7 @@ def losses(logits: torch.Tensor, passes: int) -> list:
     return [LOSSES[i % len(LOSSES)](logits) for i in range(passes)]
 
 
+
 def full_grads(engine) -> dict:
     grads = {}
     for name, param in engine.module.named_parameters():
@@ -189,6 +190,9 @@ class Scenario:
     persist: bool = False  # DeepSpeed's default persistence threshold: all resident
     check: bool = False  # check_saved_tensors
     zero_between: bool = False  # engine.optimizer.zero_grad() before each later pass
+    # The last pass starts inside the model, at decoder layer 0's output: it never
+    # reaches the engine's output, nor the later layers, the final norm and the head.
+    inner_last: bool = False
 
     def options(self) -> dict:
         return dict(
@@ -199,10 +203,37 @@ class Scenario:
         )
 
 
+@contextlib.contextmanager
+def layer0_output(model, enabled: bool = True):
+    """Yields a list that gets the output of ``model``'s decoder layer 0 in each forward."""
+    kept: list = []
+    if not enabled:
+        yield kept
+        return
+
+    def keep(module, args, output):
+        kept.append(output[0] if isinstance(output, tuple) else output)
+
+    handle = model.model.layers[0].register_forward_hook(keep)
+    try:
+        yield kept
+    finally:
+        handle.remove()
+
+
+def pass_losses(logits: torch.Tensor, kept: list, scenario: Scenario) -> list:
+    """One loss per pass; with ``inner_last`` the last starts at decoder layer 0's output."""
+    found = losses(logits, scenario.passes)
+    if scenario.inner_last:
+        found[-1] = torch.tanh(kept[-1].float()).pow(2).mean()
+    return found
+
+
 def reference_step(ref, opt, scenario: Scenario, step: int) -> dict:
     for micro in range(scenario.gas):
-        out = ref(tokens(step, micro)).logits
-        for i, loss in enumerate(losses(out, scenario.passes)):
+        with layer0_output(ref, scenario.inner_last) as kept:
+            out = ref(tokens(step, micro)).logits
+        for i, loss in enumerate(pass_losses(out, kept, scenario)):
             if scenario.probe_first and i == 0:
                 continue
             if scenario.zero_between and i > 0:
@@ -225,9 +256,9 @@ def engine_micro_step(engine, scenario: Scenario, step: int, micro: int) -> None
         if scenario.use_block
         else contextlib.nullcontext()
     )
-    with block as b:
+    with block as b, layer0_output(engine.module, scenario.inner_last) as kept:
         out = engine(tokens(step, micro)).logits
-        for i, loss in enumerate(losses(out, scenario.passes)):
+        for i, loss in enumerate(pass_losses(out, kept, scenario)):
             retain = i < scenario.passes - 1
             if scenario.zero_between and i > 0:
                 engine.optimizer.zero_grad()
@@ -237,6 +268,8 @@ def engine_micro_step(engine, scenario: Scenario, step: int, micro: int) -> None
                 engine.backward(loss, retain_graph=retain)
             else:
                 loss.backward(retain_graph=retain)
+        if scenario.use_block:
+            assert b.backward_passes == scenario.passes, (b.backward_passes, scenario)
 
 
 def expected_counts(engine, scenario: Scenario) -> dict:
@@ -246,18 +279,24 @@ def expected_counts(engine, scenario: Scenario) -> dict:
     coalesced). ``keep_unsharded=True``: no all-gather in any backward.
     Otherwise every pass re-gathers every such module, except that a probe
     pass never walks the embedding (its input, token ids, needs no
-    gradient; see [Note: probe passes]). Gradients: one
-    reduce-scatter per reduction round (the default bucket holds every
+    gradient; see [Note: probe passes]), and a pass from decoder layer 0's
+    output (``inner_last``) walks only the embedding and layer 0. Gradients:
+    one reduce-scatter per reduction round (the default bucket holds every
     gradient of this model): per pass with ``"every"``, once per micro-batch
     with ``"last"``.
     """
     modules = [
         m for m in engine.module.modules() if any(True for _ in m.parameters(recurse=False))
     ]
+    model = engine.module.model
+    below = {id(m) for part in (model.embed_tokens, model.layers[0]) for m in part.modules()}
+    walked = [len(modules)] * scenario.passes
+    if scenario.inner_last:
+        walked[-1] = sum(id(m) in below for m in modules)
     real_passes = scenario.passes - int(scenario.probe_first)
     gathers = len(modules)
     if not scenario.keep:
-        gathers += len(modules) * scenario.passes - int(scenario.probe_first)
+        gathers += sum(walked) - int(scenario.probe_first)
     rounds = real_passes if scenario.sync == "every" else 1
     return {"all_gather": gathers, "reduce_scatter": rounds}
 
@@ -324,6 +363,8 @@ for keep, sync in itertools.product((True, False), ("every", "last")):
         dict(persist=True),
         dict(check=True),
         dict(zero_between=True, passes=3),
+        dict(inner_last=True),
+        dict(inner_last=True, engine_backward=False),
     )
     for extra in extras:
         if extra.get("zero_between") and sync == "last":
