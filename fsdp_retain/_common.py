@@ -220,6 +220,22 @@ def missing_internal(what: str, flavour: str) -> RuntimeError:
     )
 
 
+def require_attrs(obj: object, names: tuple[str, ...], flavour: str) -> None:
+    """Checks that ``obj`` has every name (without running properties), failing
+    loudly with the first missing one: a block probes what it will touch at
+    install, not in the middle of a backward."""
+    import inspect
+
+    missing = object()
+    for name in names:
+        if isinstance(obj, nn.Module) and any(
+            name in where for where in (obj._modules, obj._parameters, obj._buffers)
+        ):
+            continue
+        if inspect.getattr_static(obj, name, missing) is missing:
+            raise missing_internal(f"{type(obj).__name__}.{name}", flavour)
+
+
 def require_attr(obj: object, name: str, flavour: str) -> object:
     """``getattr`` that fails loudly, naming the torch version."""
     try:

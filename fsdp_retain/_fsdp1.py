@@ -82,7 +82,7 @@ from ._common import (
     queue_callback,
     require_attr,
 )
-from ._fsdp1_compat import FLAVOUR, hooked_node, internals
+from ._fsdp1_compat import FLAVOUR, check_installable, hooked_node, internals
 from ._fsdp1_grads import GradLedger
 from ._fsdp1_mechanics import pre_backward, rearm, reset_iteration, reshard_all
 from ._fsdp1_guards import (
@@ -147,18 +147,18 @@ class FSDP1Block(BlockBase):
     def _install(self) -> None:
         model, policy = self.model, self.policy
         self._states = list(require_attr(model, "_all_fsdp_states", FLAVOUR))
-        require_attr(model, "_exec_order_data", FLAVOUR)
+        check_installable(model, self._states)
         names = {id(m): n.replace("_fsdp_wrapped_module.", "") or "<root>"
                  for n, m in model.named_modules()}
         for state in self._states:
-            handle = require_attr(state, "_handle", FLAVOUR)
+            handle = state._handle
             if handle is not None:
                 # A forward with grad that ran before the block and whose backward
                 # has not run: FSDP1 hooked its AccumulateGrad node and still holds it.
                 self._units.append(Unit(state, handle, names.get(id(state), "?"),
                                         outside=hooked_node(handle)))
         self._saved_sync = [
-            (s, require_attr(s, "_sync_gradients", FLAVOUR)) for s in self._states
+            (s, s._sync_gradients) for s in self._states
         ]
         recorder = self._recorder = ForwardRecorder(
             model, self._units, self._fsdp.post_backward_hook
@@ -173,10 +173,9 @@ class FSDP1Block(BlockBase):
         self._watch()
         for unit in self._units:
             handle = unit.handle
-            original = require_attr(handle, "reshard", FLAVOUR)
-            handle.reshard = functools.partial(self._reshard, unit, original)
+            handle.reshard = functools.partial(self._reshard, unit, handle.reshard)
             if policy.holds_back:
-                original = require_attr(handle, "pre_unshard", FLAVOUR)
+                original = handle.pre_unshard
                 handle.pre_unshard = functools.partial(ledger.pre_unshard, unit, original)
         self._hooks.append(recorder.hook_root())
         self._hooks.extend(self.probe_targets.hook_sources(model))
@@ -187,7 +186,7 @@ class FSDP1Block(BlockBase):
             if unit is not None and unit.handle.uses_sharded_strategy:
                 hook = functools.partial(self._hook_unit_inputs, unit)
                 self._hooks.append(state.register_forward_pre_hook(hook, with_kwargs=True))
-            inner = require_attr(state, "_fsdp_wrapped_module", FLAVOUR)
+            inner = state._fsdp_wrapped_module
             # No hook inside a compiled region: see [Note: the block under torch.compile].
             inner_eager = not is_compiled_in_place(inner)
             if inner_eager:
@@ -210,6 +209,10 @@ class FSDP1Block(BlockBase):
         self._restore_sync()
         self._units.clear()
         self._release_model()
+
+    def _kept_count(self) -> int:
+        """Units kept unsharded between passes (for tests)."""
+        return sum(unit.kept for unit in self._units)
 
     def _restore_sync(self) -> None:
         for state, value in self._saved_sync:

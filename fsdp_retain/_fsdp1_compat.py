@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._common import missing_internal, require_attr
+from ._common import missing_internal, require_attr, require_attrs
 
 FLAVOUR = "FSDP1"
 # Where FSDP1 keeps a flat parameter's (AccumulateGrad, hook handle).
@@ -34,6 +34,42 @@ _RUNTIME_FUNCTIONS = (
     "_reshard",
     "_unshard",
 )
+
+
+# What the block reads or writes on FSDP1's objects besides those functions.
+_ROOT_ATTRS = ("_all_fsdp_states", "_exec_order_data")
+_STATE_ATTRS = (
+    "_handle",
+    "_sync_gradients",
+    "_fsdp_wrapped_module",
+    "training_state",
+    "_unshard_stream",
+    "_pre_unshard_stream",
+    "_device_handle",
+)
+_HANDLE_ATTRS = (
+    "flat_param",
+    "reshard",
+    "pre_unshard",
+    "needs_unshard",
+    "uses_sharded_strategy",
+    "prepare_gradient_for_backward",
+    "_use_sharded_grad_views",
+    "_use_unsharded_grad_views",
+    "_training_state",
+    "_needs_pre_backward_unshard",
+    "_prefetched",
+    "_use_orig_params",
+)  # _ran_pre_backward_hook, _post_forward_index: FSDP1 sets them in each forward
+
+
+def check_installable(root: Any, states: list[Any]) -> None:
+    """Probes, at install, every FSDP1 attribute the block touches later."""
+    require_attrs(root, _ROOT_ATTRS, FLAVOUR)
+    for state in states:
+        require_attrs(state, _STATE_ATTRS, FLAVOUR)
+        if state._handle is not None:
+            require_attrs(state._handle, _HANDLE_ATTRS, FLAVOUR)
 
 
 @functools.cache

@@ -35,6 +35,7 @@ right, so it is not refused.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -119,10 +120,13 @@ def check_not_outside(units: list[Unit], run) -> None:
         raise refuse(FORWARD_OUTSIDE, outside)
 
 
-def refuse(template: str, units) -> RetainError:
-    """One of this module's errors, naming the units."""
-    from ._fsdp1_units import unit_names
+def unit_names(units: Iterable[Unit]) -> str:
+    names = sorted(u.name for u in units)
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
+
+def refuse(template: str, units: Iterable[Unit]) -> RetainError:
+    """One of this module's errors, naming the units."""
     return RetainError(template.format(units=unit_names(units)))
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,11 +97,6 @@ def backward_order(model: nn.Module, units: list[Unit]) -> list[tuple[Unit, int]
     root = [u for u in units if u.state is model]
     rest = [u for u in units if u.state is not model]
     return [(u, unsharded_bytes(u.handle)) for u in root + rest[::-1]]
-
-
-def unit_names(units: Iterable[Unit]) -> str:
-    names = sorted(u.name for u in units)
-    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
 
 class ForwardRecorder:

@@ -53,6 +53,7 @@ from ._fsdp2_compat import (
     FLAVOUR,
     GROUP_FLAGS,
     PASS_START_HOOK,
+    check_installable,
     clear_unsharded_grad,
     param_groups,
     reset_iteration,
@@ -112,8 +113,9 @@ class FSDP2Block(BlockBase):
         state_ctx = require_attr(self._state, "_state_ctx", FLAVOUR)
         self._states = list(require_attr(state_ctx, "all_states", FLAVOUR))
         self._groups = [g for s in self._states for g in param_groups(s)]
+        check_installable(self._state, self._states, self._groups)
         for group in self._groups:
-            saved = {name: require_attr(group, name, FLAVOUR) for name in GROUP_FLAGS}
+            saved = {name: getattr(group, name) for name in GROUP_FLAGS}
             self._saved_groups.append((group, saved))
         self._installed = True
         policy = self.policy
@@ -129,11 +131,11 @@ class FSDP2Block(BlockBase):
                 group.reduce_grads = False
                 group.all_reduce_grads = False
         for state in self._states:
-            original = require_attr(state, PASS_START_HOOK, FLAVOUR)
+            original = getattr(state, PASS_START_HOOK)
             setattr(state, PASS_START_HOOK, self._wrap_pass_start(state, original))
             self._patched.append(state)
         for state in self._states:
-            for module in require_attr(state, "_modules", FLAVOUR):
+            for module in state._modules:
                 if is_compiled_in_place(module):
                     continue  # see [Note: the block under torch.compile]
                 self._forward_hooks.append(self.probe_targets.hook_unit(module))
@@ -165,6 +167,10 @@ class FSDP2Block(BlockBase):
         for state in self._states[1:]:
             rest.extend(param_groups(state))
         return [(group, unsharded_bytes(group)) for group in root + rest[::-1]]
+
+    def _kept_count(self) -> int:
+        """Parameter groups kept unsharded between passes (for tests)."""
+        return len(self._kept)
 
     def _uninstall(self) -> None:
         self._output_nodes.clear()

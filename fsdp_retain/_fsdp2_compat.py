@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._common import missing_internal, require_attr
+from ._common import missing_internal, require_attr, require_attrs
 
 FLAVOUR = "FSDP2"
 PASS_START_HOOK = "_register_root_post_backward_final_callback"
@@ -30,6 +30,33 @@ GROUP_FLAGS = (
     "reduce_grads",
     "all_reduce_grads",
 )
+
+# What the block reads, writes or calls on FSDP2's objects besides GROUP_FLAGS.
+_ROOT_ATTRS = ("_comm_ctx", "_root_post_backward_final_callback")
+_STATE_ATTRS = ("_pre_backward", "_modules", PASS_START_HOOK)
+_GROUP_ATTRS = GROUP_FLAGS + (
+    "fsdp_params",
+    "modules",
+    "_post_forward_indices",
+    "is_sharded",
+    "is_unsharded",
+    "use_training_state",
+    "reshard",
+)
+_PARAM_ATTRS = ("sharded_param", "_setattr_on_modules", "_orig_size", "orig_dtype", "param_dtype")
+
+
+def check_installable(root_state: Any, states: list[Any], groups: list[Any]) -> None:
+    """Probes, at install, every FSDP2 attribute the block touches later."""
+    require_attrs(root_state, _ROOT_ATTRS, FLAVOUR)
+    require_attrs(root_state._comm_ctx, ("post_forward_order",), FLAVOUR)
+    for state in states:
+        require_attrs(state, _STATE_ATTRS, FLAVOUR)
+    for group in groups:
+        require_attrs(group, _GROUP_ATTRS, FLAVOUR)
+        for fsdp_param in group.fsdp_params:
+            require_attrs(fsdp_param, _PARAM_ATTRS, FLAVOUR)
+
 
 def _fsdp_module_class() -> type | None:
     try:

@@ -181,7 +181,7 @@ def hf_rl_parity(
             weighted_loss(logp).backward()
             hooks.take()
         if budget:  # the root and the last layer of four units
-            assert len(block._kept) == 2, f"kept {len(block._kept)} units, not 2"
+            assert block._kept_count() == 2, f"kept {block._kept_count()} units, not 2"
         where = f"step {step}"
         assert sorted(first) == sorted(ref_first) == [0, 1, 2], (sorted(first), sorted(ref_first))
         for index in ref_first:
