@@ -128,6 +128,7 @@ class FSDP1Block(BlockBase):
         self._saved_sync: list[tuple[Any, bool]] = []  # each state's _sync_gradients
         self._probe_sync: list[tuple[Any, bool]] = []  # ... before a probe pass
         self._freeing = False  # the last known pass started, or the block exits
+        self._kept_total = 0
         self._pass_open = False
         self._had_sentinels = False
         # See [Note: what the FSDP1 guards check] in _fsdp1_guards.py.
@@ -169,6 +170,7 @@ class FSDP1Block(BlockBase):
         for unit in self._units:
             unit.kept = unit in kept
         self._all_kept = len(kept) == len(self._units)
+        self._kept_total = len(kept)
         self._installed = True
         self._watch()
         for unit in self._units:
@@ -211,8 +213,8 @@ class FSDP1Block(BlockBase):
         self._release_model()
 
     def _kept_count(self) -> int:
-        """Units kept unsharded between passes (for tests)."""
-        return sum(unit.kept for unit in self._units)
+        """Units kept unsharded between passes (for tests; also after the exit)."""
+        return self._kept_total
 
     def _restore_sync(self) -> None:
         for state, value in self._saved_sync:
