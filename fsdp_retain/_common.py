@@ -1,8 +1,11 @@
-"""What the FSDP1 and FSDP2 backends share: options, pass bookkeeping, errors.
+"""What every backend shares: the notes on how the block works, and small helpers
+(errors, ``loud``, the tensors of a forward's inputs and outputs, which modules
+run eagerly under ``torch.compile``).
 
 Nothing here touches private torch or DeepSpeed internals; that lives in the
-backends (``_fsdp1*.py``, ``_fsdp2.py``, ``_deepspeed.py``) and, for autograd's
-engine entry, ``_pass_start.py``.
+backends (``_fsdp1*.py``, ``_fsdp2*.py``, ``_deepspeed.py``) and, for autograd's
+engine entry, ``_pass_start.py``. The lifecycle every backend shares is
+``_lifecycle.py``; what the options mean per pass, ``_policy.py``.
 
 [Note: why a retained graph needs unsharded storage]
 FSDP keeps each parameter sharded and all-gathers the full (unsharded) tensor
