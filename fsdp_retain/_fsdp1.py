@@ -82,9 +82,16 @@ from ._common import (
     queue_callback,
     require_attr,
 )
-from ._fsdp1_compat import FLAVOUR, check_installable, hooked_node, internals
+from ._fsdp1_compat import FLAVOUR, check_installable, internals
 from ._fsdp1_grads import GradLedger
-from ._fsdp1_mechanics import pre_backward, rearm, reset_iteration, reshard_all
+from ._fsdp1_mechanics import (
+    pre_backward,
+    probe_reshard,
+    rearm,
+    reset_iteration,
+    reshard_all,
+    should_free,
+)
 from ._fsdp1_guards import (
     GRADS_OF_GRADS,
     NOT_REDUCED,
@@ -93,7 +100,7 @@ from ._fsdp1_guards import (
     check_sharded_grads,
     refuse,
 )
-from ._fsdp1_units import ForwardRecorder, Unit, backward_order
+from ._fsdp1_units import ForwardRecorder, Unit, backward_order, make_units
 from ._lifecycle import BlockBase
 from ._policy import RetainOptions
 
@@ -112,16 +119,10 @@ class FSDP1Block(BlockBase):
     def __init__(self, model: nn.Module, options: RetainOptions) -> None:
         super().__init__(model, options)
         self._fsdp = internals()
-        self._phase = self._fsdp.HandleTrainingState
         if require_attr(model, "_is_root", FLAVOUR) is False:
             raise ValueError(_non_root_message(model))
         if require_attr(model, "cpu_offload", FLAVOUR).offload_params:
-            raise ValueError(
-                "no_reshard_between_backwards does not support FSDP1 with "
-                "CPUOffload(offload_params=True): its gradients live in a CPU copy "
-                "that FSDP1 only supports for one backward per iteration. Turn "
-                "parameter offloading off for this model."
-            )
+            raise ValueError(_NO_OFFLOAD)
         self._hooks: list[Any] = []
         self._states: list[Any] = []  # every FSDP state, also those without parameters
         self._units: list[Unit] = []  # the states with a flat parameter
@@ -149,18 +150,8 @@ class FSDP1Block(BlockBase):
         model, policy = self.model, self.policy
         self._states = list(require_attr(model, "_all_fsdp_states", FLAVOUR))
         check_installable(model, self._states)
-        names = {id(m): n.replace("_fsdp_wrapped_module.", "") or "<root>"
-                 for n, m in model.named_modules()}
-        for state in self._states:
-            handle = state._handle
-            if handle is not None:
-                # A forward with grad that ran before the block and whose backward
-                # has not run: FSDP1 hooked its AccumulateGrad node and still holds it.
-                self._units.append(Unit(state, handle, names.get(id(state), "?"),
-                                        outside=hooked_node(handle)))
-        self._saved_sync = [
-            (s, s._sync_gradients) for s in self._states
-        ]
+        self._units.extend(make_units(model, self._states))
+        self._saved_sync = [(s, s._sync_gradients) for s in self._states]
         recorder = self._recorder = ForwardRecorder(
             model, self._units, self._fsdp.post_backward_hook
         )
@@ -244,27 +235,12 @@ class FSDP1Block(BlockBase):
         for unit in self._units:
             self._ledger.drop_unreduced(unit, pending_local)
 
-    # The keep/free decision #
-    def _should_free(self, unit: Unit, fsdp_free: bool) -> bool:
-        """Whether a reshard of ``unit`` frees its unsharded flat parameter.
-
-        ``fsdp_free`` is FSDP's own answer (``_post_forward_reshard``,
-        ``_should_free_in_backward``). See [Note: why a retained graph needs
-        unsharded storage].
-        """
-        handle = unit.handle
-        if not handle.uses_sharded_strategy:
-            return False
-        phase = handle._training_state
-        if phase == self._phase.FORWARD:  # post-forward reshard
-            return fsdp_free and not unit.kept
-        # _pass_open: also FSDP's catch-all reshard of units the pass never reached.
-        if phase in (self._phase.BACKWARD_PRE, self._phase.BACKWARD_POST) or self._pass_open:
-            return self.policy.frees_after_pass(unit.kept, freeing=self._freeing)
-        return fsdp_free  # summon_full_params and the like
-
+    # The keep/free decision: see should_free #
     def _reshard(self, unit: Unit, original, free_unsharded_flat_param: bool) -> None:
-        original(self._should_free(unit, free_unsharded_flat_param))
+        free = should_free(
+            unit, free_unsharded_flat_param, pass_open=self._pass_open, freeing=self._freeing
+        )
+        original(free)
 
     # Called by _pass_start around every backward while installed #
     def before_backward(self) -> None:
@@ -376,12 +352,8 @@ class FSDP1Block(BlockBase):
             tensor.register_hook(hook)  # lives as long as the graph
 
     def _probe_unit_done(self, unit: Unit) -> None:
-        """What FSDP's post-backward hook would reshard, without reducing."""
-        handle = unit.handle
-        if (unit.kept and not self._freeing) or handle.needs_unshard():
-            return
-        handle._training_state = self._phase.BACKWARD_POST
-        self._fsdp.post_backward_reshard(unit.state, handle)
+        if not unit.kept or self._freeing:
+            probe_reshard(unit)
 
     def _before_probe(self) -> None:
         self._probe_sync = [(s, s._sync_gradients) for s in self._states]
@@ -399,6 +371,14 @@ class FSDP1Block(BlockBase):
         reset_iteration(self.model, self._states, self._units)
         self._recorder.forget()
         self._ledger.forget_sentinels()
+
+
+_NO_OFFLOAD = (
+    "no_reshard_between_backwards does not support FSDP1 with "
+    "CPUOffload(offload_params=True): its gradients live in a CPU copy that FSDP1 "
+    "only supports for one backward per iteration. Turn parameter offloading off for "
+    "this model."
+)
 
 
 def _non_root_message(model: nn.Module) -> str:

@@ -6,7 +6,9 @@ post-backward hooks, the forward order that drives prefetching and, for freed
 units, the flag that makes the next pass re-gather. ``rearm`` puts them back
 after each pass; ``reset_iteration`` leaves FSDP1 as that callback would at
 the block exit; ``pre_backward`` is FSDP1's per-unit pre-backward hook, for a
-pass that reaches a unit's parameters before (or without) its outputs.
+pass that reaches a unit's parameters before (or without) its outputs;
+``should_free`` is the block's version of FSDP's decision to free a unit's
+unsharded flat parameter.
 """
 
 from __future__ import annotations
@@ -15,6 +17,37 @@ from typing import Any
 
 from ._fsdp1_compat import HOOK_STATE, internals
 from ._fsdp1_units import ForwardRecorder, Unit
+from ._policy import Policy
+
+
+def should_free(unit: Unit, fsdp_free: bool, *, pass_open: bool, freeing: bool) -> bool:
+    """Whether a reshard of ``unit`` frees its unsharded flat parameter.
+
+    ``fsdp_free`` is FSDP's own answer (``_post_forward_reshard``,
+    ``_should_free_in_backward``); ``pass_open``: a pass of the block runs;
+    ``freeing``: its last known pass runs, or the block exits. See [Note: why a
+    retained graph needs unsharded storage].
+    """
+    handle = unit.handle
+    if not handle.uses_sharded_strategy:
+        return False
+    phase, states = handle._training_state, internals().HandleTrainingState
+    if phase == states.FORWARD:  # post-forward reshard
+        return fsdp_free and not unit.kept
+    # pass_open: also FSDP's catch-all reshard of units the pass never reached.
+    if phase in (states.BACKWARD_PRE, states.BACKWARD_POST) or pass_open:
+        return Policy.frees_after_pass(unit.kept, freeing=freeing)
+    return fsdp_free  # summon_full_params and the like
+
+
+def probe_reshard(unit: Unit) -> None:
+    """What FSDP's post-backward hook would reshard after a probe pass's unit
+    backward, without reducing."""
+    handle = unit.handle
+    if handle.needs_unshard():
+        return
+    handle._training_state = internals().HandleTrainingState.BACKWARD_POST
+    internals().post_backward_reshard(unit.state, handle)
 
 
 def pre_backward(unit: Unit) -> None:

@@ -91,6 +91,21 @@ class Unit:
         self.count = None
 
 
+def make_units(model: nn.Module, states: list[Any]) -> list[Unit]:
+    """A ``Unit`` for each FSDP state with a flat parameter, named as in ``model``."""
+    names = {
+        id(m): n.replace("_fsdp_wrapped_module.", "") or "<root>"
+        for n, m in model.named_modules()
+    }
+    # outside: a forward with grad that ran before the block and whose backward
+    # has not run: FSDP1 hooked its AccumulateGrad node and still holds it.
+    return [
+        Unit(s, s._handle, names.get(id(s), "?"), outside=hooked_node(s._handle))
+        for s in states
+        if s._handle is not None
+    ]
+
+
 def backward_order(model: nn.Module, units: list[Unit]) -> list[tuple[Unit, int]]:
     """Units with their unsharded bytes, the root's first, then the others in
     reverse module order (the order their backward runs; see ``kept_units``)."""

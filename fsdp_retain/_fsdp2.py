@@ -1,7 +1,9 @@
 """FSDP2 (``fully_shard``) backend: the mechanics of a block on FSDP2.
 
-Private FSDP2 access lives here and in ``_fsdp2_compat.py`` (what differs
-between torch versions); ``_fsdp2_inspect.py`` holds readers for tests and the
+Private FSDP2 access lives here and beside it: ``_fsdp2_compat.py`` (what
+differs between torch versions, probed at install), ``_fsdp2_nodes.py`` (which
+states a pass uses), ``_fsdp2_grads.py`` (gradients held back by
+``sync_grads="last"``); ``_fsdp2_inspect.py`` holds readers for tests and the
 report.
 
 See [Note: why a retained graph needs unsharded storage] in ``_common.py``.
@@ -41,15 +43,15 @@ inside the unit.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from . import _pass_start
-from ._common import compiling, grad_tensors, is_compiled_in_place, queue_callback, require_attr
+from ._common import compiling, is_compiled_in_place, queue_callback, require_attr
 from ._fsdp2_compat import (
+    backward_order,
     FLAVOUR,
     GROUP_FLAGS,
     PASS_START_HOOK,
@@ -59,11 +61,21 @@ from ._fsdp2_compat import (
     reset_iteration,
     run_root_final_callback,
     training_state_enum,
-    unsharded_bytes,
 )
 from ._fsdp2_grads import HeldGrads
+from ._fsdp2_nodes import ForwardNodes
 from ._lifecycle import BlockBase
 from ._policy import RetainOptions
+
+
+_NOT_ROOT = (
+    "no_reshard_between_backwards got a non-root FSDP2 unit ({}). Pass the root: the "
+    "module fully_shard was applied to last, whose forward runs the others."
+)
+_NOT_ROOT_AT_FORWARD = (
+    "no_reshard_between_backwards got a non-root FSDP2 unit: another FSDP2 module ran "
+    "forward first and became the root. Pass that root module."
+)
 
 
 class FSDP2Block(BlockBase):
@@ -74,11 +86,7 @@ class FSDP2Block(BlockBase):
         get_state = require_attr(model, "_get_fsdp_state", FLAVOUR)
         self._state = get_state()
         if self._state._is_root is False:
-            raise ValueError(
-                f"no_reshard_between_backwards got a non-root FSDP2 unit "
-                f"({type(model).__name__}). Pass the root: the module fully_shard was "
-                "applied to last, whose forward runs the others."
-            )
+            raise ValueError(_NOT_ROOT.format(type(model).__name__))
         self._states: list[Any] = []
         self._groups: list[Any] = []
         self._saved_groups: list[tuple[Any, dict[str, Any]]] = []
@@ -89,10 +97,7 @@ class FSDP2Block(BlockBase):
         self._held = HeldGrads()  # sync_grads="last": see _fsdp2_grads
         self._pending_unreduced = False
         self._probe_flags: list[tuple[Any, bool, bool]] = []
-        # Autograd nodes of each state's forward: outputs, and inputs plus the
-        # AccumulateGrad nodes of its unsharded parameters.
-        self._output_nodes: dict[Any, list[Any]] = {}
-        self._used_nodes: dict[Any, list[Any]] = {}
+        self._nodes = ForwardNodes()  # which states a pass uses: see _fsdp2_nodes
         self._kept: set[int] = set()  # ids of the groups kept unsharded between passes
 
     # Entering and leaving (see BlockBase) #
@@ -103,10 +108,7 @@ class FSDP2Block(BlockBase):
         if self._state._is_root is False:
             # We are inside the real root's forward; leave FSDP2 clean before raising.
             reset_iteration(self._state._state_ctx.all_states[0])
-            raise ValueError(
-                "no_reshard_between_backwards got a non-root FSDP2 unit: another FSDP2 "
-                "module ran forward first and became the root. Pass that root module."
-            )
+            raise ValueError(_NOT_ROOT_AT_FORWARD)
         require_attr(self._state, "_lazy_init", FLAVOUR)()
 
     def _install(self) -> None:
@@ -119,7 +121,7 @@ class FSDP2Block(BlockBase):
             self._saved_groups.append((group, saved))
         self._installed = True
         policy = self.policy
-        self._kept = {id(g) for g in policy.kept(self._backward_order())}
+        self._kept = {id(g) for g in policy.kept(backward_order(self._states))}
         self._all_kept = len(self._kept) == len(self._groups)
         for group in self._groups:
             if id(group) in self._kept:
@@ -139,13 +141,7 @@ class FSDP2Block(BlockBase):
                 if is_compiled_in_place(module):
                     continue  # see [Note: the block under torch.compile]
                 self._forward_hooks.append(self.probe_targets.hook_unit(module))
-                # After FSDP2's own hooks: unsharded parameters, wrapped inputs and outputs.
-                record = functools.partial(self._record_inputs, state)
-                self._forward_hooks.append(
-                    module.register_forward_pre_hook(record, with_kwargs=True)
-                )
-                record = functools.partial(self._record_outputs, state)
-                self._forward_hooks.append(module.register_forward_hook(record))
+                self._forward_hooks.extend(self._nodes.hook(state, module))
         self._forward_hooks.extend(self.probe_targets.hook_sources(self.model))
         self._watch()
         if self._kept:
@@ -160,21 +156,12 @@ class FSDP2Block(BlockBase):
                     )
                     self._forward_hooks.append(handle)
 
-    def _backward_order(self) -> list[tuple[Any, int]]:
-        """Groups with their unsharded bytes, the root's first, then the others in
-        reverse module order (the order their backward runs; see ``kept_units``)."""
-        root, rest = param_groups(self._states[0]), []
-        for state in self._states[1:]:
-            rest.extend(param_groups(state))
-        return [(group, unsharded_bytes(group)) for group in root + rest[::-1]]
-
     def _kept_count(self) -> int:
         """Parameter groups kept unsharded between passes (for tests)."""
         return len(self._kept)
 
     def _uninstall(self) -> None:
-        self._output_nodes.clear()
-        self._used_nodes.clear()
+        self._nodes.clear()
         for handle in self._forward_hooks:
             handle.remove()
         self._forward_hooks.clear()
@@ -223,42 +210,12 @@ class FSDP2Block(BlockBase):
         self._probe_flags.clear()
 
     # Pass boundaries #
-    def _record_inputs(self, state: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if compiling() or not torch.is_grad_enabled() or self._in_backward():
-            return
-        from torch.autograd.graph import get_gradient_edge
-
-        nodes = self._used_nodes.setdefault(state, [])
-        nodes.extend(get_gradient_edge(t).node for t in grad_tensors((args, kwargs)))
-
-    def _record_outputs(self, state: Any, module: nn.Module, args: Any, output: Any) -> None:
-        # Also runs for the root's first forward, whose pre-hooks were already
-        # being called when the block installed its own.
-        if compiling() or not torch.is_grad_enabled() or self._in_backward():
-            return
-        nodes = self._output_nodes.setdefault(state, [])
-        nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
-        used = self._used_nodes.setdefault(state, [])
-        for group in param_groups(state):
-            for fsdp_param in group.fsdp_params:
-                param = require_attr(fsdp_param, "unsharded_param", FLAVOUR)
-                if param.requires_grad and param.untyped_storage().nbytes() > 0:
-                    # The AccumulateGrad node this forward's graph uses. Units
-                    # resharded after forward are found by their inputs instead.
-                    with torch.enable_grad():
-                        used.append(param.expand_as(param).grad_fn.next_functions[0][0])
-
     def on_backward_start(self) -> None:
         """Inside every backward, before its first node runs (see ``_pass_start``)."""
         if self._exited:
             return
         run = _pass_start.will_run
-        used = [
-            state
-            for state in self._states
-            if any(map(run, self._used_nodes.get(state, ())))
-            or any(map(run, self._output_nodes.get(state, ())))
-        ]
+        used = [state for state in self._states if self._nodes.uses(state, run)]
         if not used:
             return  # another model's backward
         if not self._state._state_ctx.post_backward_final_callback_queued:
@@ -267,7 +224,7 @@ class FSDP2Block(BlockBase):
         for state in used:
             if all(id(g) in self._kept for g in param_groups(state)):
                 continue  # nothing to gather
-            if not any(map(run, self._output_nodes.get(state, ()))):
+            if not self._nodes.reaches_outputs(state, run):
                 # The pass starts inside this unit: gather it before its nodes run.
                 state._pre_backward(torch.empty(0))
 

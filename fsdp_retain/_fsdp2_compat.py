@@ -101,6 +101,15 @@ def param_groups(state: Any) -> list[Any]:
     return [] if group is None else [group]
 
 
+def backward_order(states: list[Any]) -> list[tuple[Any, int]]:
+    """Parameter groups with their unsharded bytes, the root's first, then the
+    others in reverse module order (the order their backward runs; ``kept_units``)."""
+    root, rest = param_groups(states[0]), []
+    for state in states[1:]:
+        rest.extend(param_groups(state))
+    return [(group, unsharded_bytes(group)) for group in root + rest[::-1]]
+
+
 def unsharded_bytes(group: Any) -> int:
     """Bytes of a parameter group's unsharded parameters on one rank."""
     return sum(

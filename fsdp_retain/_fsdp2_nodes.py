@@ -1,0 +1,74 @@
+"""Which FSDP2 states a backward pass uses, from the autograd nodes of the forwards.
+
+Part of the FSDP2 backend with ``_fsdp2.py`` (private FSDP2 access). For each
+state, forward hooks on its modules record the autograd nodes of its outputs
+(where FSDP2's pre-backward hooks are) and of its inputs plus the
+``AccumulateGrad`` nodes of its unsharded parameters; a pass that runs one of
+them uses the state (``_pass_start.will_run`` answers inside a pass).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import _pass_start
+from ._common import compiling, grad_tensors, require_attr
+from ._fsdp2_compat import FLAVOUR, param_groups
+
+
+class ForwardNodes:
+    """The recorded nodes, per FSDP2 state."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[Any, list[Any]] = {}
+        self._used: dict[Any, list[Any]] = {}
+
+    def hook(self, state: Any, module: nn.Module) -> list[Any]:
+        """Hooks ``module`` of ``state``; returns the handles. Registered after
+        FSDP2's own hooks: they see unsharded parameters, wrapped inputs and outputs."""
+        return [
+            module.register_forward_pre_hook(
+                functools.partial(self._record_inputs, state), with_kwargs=True
+            ),
+            module.register_forward_hook(functools.partial(self._record_outputs, state)),
+        ]
+
+    def uses(self, state: Any, run: Callable[[Any], bool]) -> bool:
+        return any(map(run, self._used.get(state, ()))) or self.reaches_outputs(state, run)
+
+    def reaches_outputs(self, state: Any, run: Callable[[Any], bool]) -> bool:
+        return any(map(run, self._outputs.get(state, ())))
+
+    def clear(self) -> None:
+        self._outputs.clear()
+        self._used.clear()
+
+    def _record_inputs(self, state: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if compiling() or not torch.is_grad_enabled() or _pass_start.in_backward():
+            return
+        from torch.autograd.graph import get_gradient_edge
+
+        nodes = self._used.setdefault(state, [])
+        nodes.extend(get_gradient_edge(t).node for t in grad_tensors((args, kwargs)))
+
+    def _record_outputs(self, state: Any, module: nn.Module, args: Any, output: Any) -> None:
+        # Also runs for the root's first forward, whose pre-hooks were already
+        # being called when the block installed its own.
+        if compiling() or not torch.is_grad_enabled() or _pass_start.in_backward():
+            return
+        nodes = self._outputs.setdefault(state, [])
+        nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
+        used = self._used.setdefault(state, [])
+        for group in param_groups(state):
+            for fsdp_param in group.fsdp_params:
+                param = require_attr(fsdp_param, "unsharded_param", FLAVOUR)
+                if param.requires_grad and param.untyped_storage().nbytes() > 0:
+                    # The AccumulateGrad node this forward's graph uses. Units
+                    # resharded after forward are found by their inputs instead.
+                    with torch.enable_grad():
+                        used.append(param.expand_as(param).grad_fn.next_functions[0][0])
