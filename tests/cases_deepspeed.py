@@ -8,7 +8,7 @@ The cases live in parts, one concern each, registered here in this order:
 - ``tests/cases_deepspeed_pass_starts.py``: a first pass from inside the model,
   two forwards in one block, a forward before the block.
 
-``tests/deepspeed_utils.py`` holds what they share (the model, the engine, the
+``tests/cases_deepspeed_common.py`` holds what they share (the model, the engine, the
 reference, ``Scenario`` and ``run_parity``, collective counting).
 """
 

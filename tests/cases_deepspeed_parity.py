@@ -6,7 +6,7 @@ The grid: 2 and 3 passes x keep_unsharded x sync_grads x backwards known or not 
 gradient accumulation, bf16, a probe pass first, resident parameters, the saved-tensor
 check, zero_grad between passes and a last pass that starts inside the model. Parity
 with an unsharded reference over 3 SGD-momentum steps, collectives by formula (see
-``tests/deepspeed_utils.py``). Without the block: pass 2 fails on released
+``tests/cases_deepspeed_common.py``). Without the block: pass 2 fails on released
 parameters, or with resident parameters gives wrong gradients.
 """
 
@@ -16,7 +16,7 @@ import itertools
 
 import torch
 
-from tests.deepspeed_utils import (
+from tests.cases_deepspeed_common import (
     Scenario,
     assert_close,
     ds_config,

@@ -7,7 +7,7 @@ passes that hook does not see once per block: a first pass that starts inside th
 model (it never reaches the engine output), two forwards in one block (each output
 has its own hook), and a forward before the block. Parity with an unsharded
 reference over 3 SGD-momentum steps, collectives by formula (see
-``tests/deepspeed_utils.py``), for keep_unsharded x sync_grads x ``engine.backward``
+``tests/cases_deepspeed_common.py``), for keep_unsharded x sync_grads x ``engine.backward``
 or ``loss.backward()``. Refused with a RetainError naming the fix: a forward before
 the block; with ``sync_grads="last"`` a forward after a held-back pass; a
 ``loss.backward()`` from inside the model under gradient accumulation.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 
 from fsdp_retain._common import RetainError
-from tests.deepspeed_utils import (
+from tests.cases_deepspeed_common import (
     Scenario,
     assert_all_released,
     ds_config,

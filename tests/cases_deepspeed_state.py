@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from fsdp_retain import no_reshard_between_backwards
-from tests.deepspeed_utils import (
+from tests.cases_deepspeed_common import (
     Scenario,
     assert_all_released,
     assert_close,

@@ -1,4 +1,4 @@
-"""What the DeepSpeed ZeRO-3 cases share (``tests/cases_deepspeed*.py``, CPU, gloo).
+"""What the DeepSpeed ZeRO-3 case parts share (no cases of its own; CPU, gloo).
 
 A tiny random Qwen2 (norms, embeddings, untied head) under ZeRO-3 with
 ``stage3_param_persistence_threshold: 0``, so that no parameter stays
