@@ -20,10 +20,9 @@ and the parameter coordinator):
 - Gradients: ZeRO-3 reduce-scatters each parameter's gradient from its
   ``AccumulateGrad`` hook into a gradient partition, copying over it while
   ``micro_step_id == 0``. A pass after one that reduced runs with
-  ``micro_step_id >= 1`` (restored at exit), so it adds. The engine's backward
-  prologue runs once per forward (a hook on the forward output); each later
-  pass runs it again, so the post-backward epilogue flushes the last bucket
-  for ``loss.backward()`` too.
+  ``micro_step_id >= 1`` (restored at exit), so it adds. See [Note: the
+  engine's backward prologue in the block] for how every pass gets the
+  prologue that lets the post-backward epilogue flush the last bucket.
 - ``sync_grads="last"``: ``optimizer._coalesce_grad_reduction`` (what
   ``engine.coalesce_grad_reduction()`` sets) keeps the unsharded gradients
   local until the last pass reduces them, or the block exit does.
@@ -39,25 +38,74 @@ ZeRO-3 modules' inputs (the probe targets, see [Note: probe passes]) and the
 parameters' ``AccumulateGrad`` nodes. If the pass runs one of them it starts
 (before ZeRO-3's hooks on the engine output and on the modules) and queues
 the pass-end callback. So a pass may start from any tensor of the forward,
-e.g. an activation inside the model, not only from the engine's output.
+e.g. an activation inside the model, not only from the engine's output. A pass
+that runs the parameters' ``AccumulateGrad`` nodes (recorded at entry) but none
+of the forwards' nodes runs over a forward from before the block: refused
+(``FORWARD_OUTSIDE``), as on FSDP1.
+
+[Note: the engine's backward prologue in the block]
+DeepSpeed runs ``engine._backward_prologue`` (``optimizer.enter_backward()``,
+the post-backward callback that runs the epilogue for ``loss.backward()``)
+from a once-per-forward hook on the engine's output tensors. Over a retained
+graph that is wrong both ways: a pass that never reaches the output (it starts
+at an activation inside the model) gets no prologue, so nothing flushes its
+last gradient bucket under ``loss.backward()``; and with two forwards in the
+block the second output's hook runs it on top of the block's, leaving
+``backward_active_depth`` at 2 (then DeepSpeed skips the epilogue of every
+later ``loss.backward()``). So, for every forward inside the block, a forward
+hook on the engine marks DeepSpeed's hook managers on the output as done
+(``_disarm_output_hooks``; their per-tensor gradient scaling still runs), and
+the block runs the prologue at the start of every pass that computes gradients
+(``_engine_prologue``). A ``loss.backward()`` pass that never reaches an
+output misses that per-tensor division by ``gradient_accumulation_steps``:
+refused when it is above 1 (``engine.backward`` scales the loss itself).
 """
 
 from __future__ import annotations
 
-import itertools
 import sys
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 
 from . import _pass_start
-from ._common import RetainError, grad_tensors, queue_callback, require_attr
+from ._common import RetainError, grad_tensors, missing_internal, queue_callback, require_attr
 from ._lifecycle import BlockBase
 from ._policy import RetainOptions
 
 _RELEASE = "_PartitionedParameterCoordinator__release_param"
 _COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")
+# DeepSpeed's OutputBackwardHookManager list on the first output tensor (0.18+).
+_HOOK_MANAGERS = "_backward_hook_managers"
+_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+FORWARD_OUTSIDE = (
+    "no_reshard_between_backwards: this backward reaches the DeepSpeed engine's "
+    "parameters without going through a forward run inside the block: the forward "
+    "ran before the block was entered (or the loss is computed from the parameters "
+    "alone). The block re-arms ZeRO-3 only for its own forwards, so this pass would "
+    "give wrong or unreduced gradients. Run the forward inside the block:\n"
+    "    with no_reshard_between_backwards(engine):\n        out = engine(x)\n"
+    "        engine.backward(loss1, retain_graph=True)\n        engine.backward(loss2)"
+)
+
+FORWARD_AFTER_HELD_PASS = (
+    "no_reshard_between_backwards(sync_grads='last'): a forward of the DeepSpeed engine "
+    "ran after a backward pass of the block whose gradients are still held unreduced; "
+    "ZeRO-3 then gives wrong gradients (seen: the embedding's off by several units). "
+    "Run every forward before the block's first backward pass, or use "
+    "sync_grads='every'."
+)
+
+UNSCALED = (
+    "no_reshard_between_backwards: this loss.backward() never reaches the DeepSpeed "
+    "engine's output (it starts at a tensor inside the model), where DeepSpeed divides "
+    "the gradient by gradient_accumulation_steps ({gas}); its gradients would be {gas}x "
+    "too large. Use engine.backward(loss), which scales the loss itself, or start the "
+    "pass from the engine's output."
+)
 
 
 def _flavour() -> str:
@@ -133,6 +181,9 @@ class DeepSpeedBlock(BlockBase):
         # the engine module's outputs, and its parameters' AccumulateGrad nodes.
         self._output_nodes: list[Any] = []
         self._acc_grads: list[Any] = []
+        self._acc_recorded = False
+        self._param_nodes: list[tuple[nn.Parameter, Any]] = []
+        self._partitions: dict[int, torch.Tensor] = {}
         self._counters: dict[nn.Module, tuple[int, int]] = {}
         self._reduced = False  # a pass of this block reduce-scattered
         self._bumped_micro_step = False
@@ -149,6 +200,7 @@ class DeepSpeedBlock(BlockBase):
     def _install(self) -> None:
         flavour = self._flavour
         require_attr(self.model, "_backward_prologue", flavour)
+        require_attr(self.model, "_running_engine_backward", flavour)
         require_attr(self._optimizer, "_backward_hook_state", flavour)
         require_attr(self._optimizer, "micro_step_id", flavour)
         self._saved_coalesce = require_attr(self._optimizer, "_coalesce_grad_reduction", flavour)
@@ -161,6 +213,10 @@ class DeepSpeedBlock(BlockBase):
         self._release = release
         self.model.step = _step_inside_block
         self._hooks.append(self._root.register_forward_hook(self._record_nodes))
+        self._hooks.append(self.model.register_forward_pre_hook(self._refuse_forward_after_held))
+        self._hooks.append(self.model.register_forward_hook(self._disarm_output_hooks))
+        self._partitions = require_attr(self._optimizer, _GRAD_PARTITIONS, flavour)
+        self._acc_grads = self._nodes_from_before()
         for module in self._root.modules():
             if "pre_bwd_fn" in module.__dict__:
                 self._hooks.append(self.probe_targets.hook_unit(module))
@@ -170,6 +226,7 @@ class DeepSpeedBlock(BlockBase):
     def _uninstall(self) -> None:
         self._output_nodes.clear()
         self._acc_grads.clear()
+        self._param_nodes.clear()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -217,12 +274,49 @@ class DeepSpeedBlock(BlockBase):
         if not torch.is_grad_enabled() or self._in_backward():
             return
         self._output_nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
-        if self._acc_grads:
+        if self._acc_recorded:
             return  # held here, so every later forward's graph uses the same nodes
+        self._acc_recorded = True
         for param in self._root.parameters():
             if param.requires_grad:
                 # The node this forward's graph holds (ZeRO-3 swaps only .data).
-                self._acc_grads.append(param.expand_as(param).grad_fn.next_functions[0][0])
+                node = param.expand_as(param).grad_fn.next_functions[0][0]
+                self._acc_grads.append(node)
+                self._param_nodes.append((param, node))
+
+    def _refuse_forward_after_held(self, engine: Any, args: Any) -> None:
+        if self._pending and torch.is_grad_enabled() and not self._in_backward():
+            raise RetainError(FORWARD_AFTER_HELD_PASS)
+
+    def _nodes_from_before(self) -> list[Any]:
+        """The ``AccumulateGrad`` nodes that a graph from before the block holds.
+
+        A parameter's node lives as long as a graph holds it, and records the
+        parameter's shape when it is made. ZeRO-3 keeps a released parameter's
+        ``.data`` empty, so a node made now has shape 0: not held by any graph,
+        and dropped here (one held would break the block's first forward).
+        """
+        found = []
+        for param in self._root.parameters():
+            if not param.requires_grad:
+                continue
+            node = get_gradient_edge(param).node
+            metadata = require_attr(node, "_input_metadata", self._flavour)
+            if tuple(metadata[0].shape) == tuple(getattr(param, "ds_shape", param.shape)):
+                found.append(node)
+        return found
+
+    def _disarm_output_hooks(self, engine: Any, args: Any, output: Any) -> None:
+        """See [Note: the engine's backward prologue in the block]."""
+        if not torch.is_grad_enabled() or self._in_backward():
+            return
+        tensors = [t for t in grad_tensors(output) if t.grad_fn is not None]
+        managers = [m for t in tensors for m in getattr(t, _HOOK_MANAGERS, ())]
+        if tensors and not managers:
+            raise missing_internal(f"Tensor.{_HOOK_MANAGERS} (engine output)", self._flavour)
+        for manager in managers:
+            require_attr(manager, "preprocess_done", self._flavour)
+            manager.preprocess_done = True
 
     def on_backward_start(self) -> None:
         """Inside every backward, before its first node runs (see ``_pass_start``).
@@ -230,13 +324,18 @@ class DeepSpeedBlock(BlockBase):
         That is inside ``loss.backward()``, so after what ``engine.backward`` does
         first (scale the loss, mark an engine backward running), and before
         ZeRO-3's hook on the engine output runs the engine's backward prologue
-        (a forward's first pass; ``_restart_engine_backward`` runs it in later ones).
+        (disarmed in the block, see [Note: the engine's backward prologue in the block]).
         """
         run = _pass_start.will_run
+        reaches_output = any(map(run, self._output_nodes))
         inputs = (edge.node for edge in self.probe_targets.edges.values())
-        nodes = itertools.chain(self._output_nodes, inputs, self._acc_grads)
-        if not any(map(run, nodes)):
+        if not reaches_output and not any(map(run, inputs)):
+            if any(map(run, self._acc_grads)):
+                raise RetainError(FORWARD_OUTSIDE)
             return  # another model's backward
+        gas = int(self.model.gradient_accumulation_steps())
+        if not (reaches_output or self.probing or self.model._running_engine_backward or gas == 1):
+            raise RetainError(UNSCALED.format(gas=gas))
         self._on_pass_start()
         queue_callback(self._on_pass_end)
 
@@ -251,8 +350,9 @@ class DeepSpeedBlock(BlockBase):
         reduces = not self._optimizer._coalesce_grad_reduction
         if self._reduced and reduces:
             self._accumulate_into_partitions()
-        if index > 1:
-            self._restart_engine_backward()
+        if reduces and self._optimizer.micro_step_id == 0:
+            self._zero_unreached_partitions()
+        self._engine_prologue()
         self._reduced = self._reduced or reduces
         self._pending = not reduces
 
@@ -281,14 +381,30 @@ class DeepSpeedBlock(BlockBase):
             opt.micro_step_id = 1
             self._bumped_micro_step = True
 
+    def _zero_unreached_partitions(self) -> None:
+        """A pass at ``micro_step_id == 0`` copies over the partitions it reaches,
+        and later passes add to every partition. Zeroes the ones it does not
+        reach, which still hold the previous step's gradient (seen: a first pass
+        from inside the model left the last layer's gradient of the step before)."""
+        run = _pass_start.will_run
+        for param, node in self._param_nodes:
+            if not run(node):
+                partition = self._partitions.get(param.ds_id)
+                if partition is not None:
+                    partition.zero_()
+
     def _restore_micro_step(self) -> None:
         # optimizer.zero_grad() in between already set it back to 0.
         if self._bumped_micro_step and self._optimizer.micro_step_id == 1:
             self._optimizer.micro_step_id = 0
         self._bumped_micro_step = False
 
-    def _restart_engine_backward(self) -> None:
-        """Runs the engine's once-per-forward backward prologue for this pass too."""
+    def _engine_prologue(self) -> None:
+        """Runs the engine's backward prologue for this pass.
+
+        See [Note: the engine's backward prologue in the block]. Depth 0: a
+        pass before ran its epilogue, or it did not run (an exception).
+        """
         state = self._optimizer._backward_hook_state
         state.backward_active_depth = 0
         state.backward_seen_this_step = False  # enter_backward then resets its counters

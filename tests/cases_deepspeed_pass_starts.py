@@ -1,0 +1,87 @@
+"""DeepSpeed ZeRO-3: where a pass starts and which forward it runs over (part of
+``tests/cases_deepspeed.py``).
+
+ZeRO-3's engine runs its backward prologue from a once-per-forward hook on the
+engine output; the block runs it for every later pass. These cases check the
+passes that hook does not see once per block: a first pass that starts inside the
+model (it never reaches the engine output), two forwards in one block (each output
+has its own hook), and a forward before the block. Parity with an unsharded
+reference over 3 SGD-momentum steps, collectives by formula (see
+``tests/cases_deepspeed_common.py``), for keep_unsharded x sync_grads x ``engine.backward``
+or ``loss.backward()``. Refused with a RetainError naming the fix: a forward before
+the block; with ``sync_grads="last"`` a forward after a held-back pass; a
+``loss.backward()`` from inside the model under gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from fsdp_retain._common import RetainError
+from tests.cases_deepspeed_common import (
+    Scenario,
+    assert_all_released,
+    ds_config,
+    engine_micro_step,
+    make_engine,
+    run_parity,
+)
+from tests.harness import Registry
+
+registry = Registry()
+
+
+def _parity_case(**fields):
+    return lambda: run_parity(Scenario(**fields))
+
+
+def _name(fields: dict) -> str:
+    return "parity_" + "_".join(f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in fields.items())
+
+
+def _refused_case(message: str, **fields):
+    """The block raises ``message`` (a RetainError naming the fix) in the first micro-batch."""
+
+    def run() -> None:
+        scenario = Scenario(**fields)
+        engine, _ = make_engine(ds_config(gas=scenario.gas))
+        try:
+            engine_micro_step(engine, scenario, 0, 0)
+        except RetainError as exc:
+            assert message in str(exc), exc
+        else:
+            raise AssertionError(f"{scenario} was accepted")
+        engine.optimizer.zero_grad()
+        assert_all_released(engine)
+
+    return run
+
+
+for keep, sync, engine_backward in itertools.product((True, False), ("every", "last"), (True, False)):
+    extras = (
+        dict(inner_first=True),
+        dict(inner_first=True, passes=3),
+        dict(forwards=2),
+        dict(forwards=2, interleave=True, passes=3),
+    )
+    for extra in extras:
+        fields = dict(keep=keep, sync=sync, engine_backward=engine_backward, **extra)
+        if sync == "last" and extra.get("interleave"):
+            # A forward after a held-back pass: refused (FORWARD_AFTER_HELD_PASS).
+            if engine_backward:
+                registry.add("refused_" + _name(fields)[len("parity_"):], _refused_case(
+                    "Run every forward before the block's first backward pass", **fields))
+            continue
+        registry.add(_name(fields), _parity_case(**fields))
+
+# Gradient accumulation: engine.backward scales the loss; loss.backward() from inside
+# the model misses DeepSpeed's division on the output (UNSCALED).
+registry.add("parity_inner_first1_gas2", _parity_case(inner_first=True, gas=2))
+registry.add("refused_inner_first1_gas2_engine_backward0", _refused_case(
+    "Use engine.backward(loss)", inner_first=True, gas=2, engine_backward=False))
+
+# A forward before the block (FORWARD_OUTSIDE, as on FSDP1).
+for keep, engine_backward in itertools.product((True, False), (True, False)):
+    fields = dict(keep=keep, engine_backward=engine_backward, forward_outside=True)
+    registry.add("refused_" + _name(fields)[len("parity_"):], _refused_case(
+        "Run the forward inside the block", **fields))
