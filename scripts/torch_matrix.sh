@@ -78,6 +78,12 @@ for version in "$@"; do
   echo "   $result (install $((installed - start)) s, tests $((end - installed)) s)"
   # Failures stay readable after the venv is gone.
   grep -E '^(FAILED|ERROR) ' "$log" | head -n 40
+  if [ "${status}" != 0 ] && grep -qE '^_{3,} .* _{3,}$' "$log"; then
+    # The first failure's report (each rank's error and output tail), for CI logs
+    # that outlive the venv's log file.
+    echo "   first failure, from $log:"
+    awk '/^___+ .* ___+$/ {n++} n == 1' "$log" | grep -E '^E ' | head -n 120 | sed 's/^/   | /'
+  fi
   [ "${MATRIX_RECORD:-1}" = 1 ] && "$python" scripts/compat_table.py --version "$version" --result "$result" \
     --seconds $((end - installed)) --subset "$subset" \
     --commit "$commit" --command "scripts/torch_matrix.sh $([ "$subset" = 1 ] && echo '--subset ')$version"

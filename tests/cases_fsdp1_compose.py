@@ -35,9 +35,6 @@ from tests import (
 )
 from tests.case_parts import combined
 
-# tests/cases_integrity.py imports _checkpointed from here.
-from tests.cases_fsdp1_compose_checkpointing import _checkpointed  # noqa: F401
-
 registry = combined(
     cases_fsdp1_compose_after_exit,
     cases_fsdp1_compose_mixed_precision,

@@ -2,42 +2,29 @@
 
 Non-reentrant ``checkpoint_wrapper`` inside each unit, 3 passes, parity with the
 unsharded reference and all-gathers by formula; with bf16 ``MixedPrecision`` against
-the two-forward way. ``_checkpointed`` is also ``tests/cases_integrity.py``'s.
+the two-forward way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 
-import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
-
 from tests import fsdp1_utils as f1
-from tests.fsdp1_compose_utils import BF16_MP, TOL_SAME, _compare_with_two_forward, _tag
+from tests.fsdp1_compose_utils import (
+    BF16_MP,
+    TOL_SAME,
+    _compare_with_two_forward,
+    _tag,
+    checkpointed,
+)
 from tests.harness import Registry
-from tests.parity import Block, Scenario, block_options, make_net, reference_copy, run_parity
+from tests.parity import Scenario, block_options, make_net, reference_copy, run_parity
 
 registry = Registry()
 
 
 # --- FSDP1's apply_activation_checkpointing -----------------------------------
-
-
-def _checkpointed(model: nn.Module) -> nn.Module:
-    apply_activation_checkpointing(
-        model,
-        checkpoint_wrapper_fn=functools.partial(
-            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
-        ),
-        check_fn=lambda m: isinstance(m, Block),
-    )
-    return model
 
 
 def _activation_checkpointing_case(keep, sync, uop, backwards):
@@ -49,7 +36,7 @@ def _activation_checkpointing_case(keep, sync, uop, backwards):
     def run() -> None:
         model = make_net()
         ref = reference_copy(model)
-        model = _checkpointed(f1.wrap(model, use_orig_params=uop))
+        model = checkpointed(f1.wrap(model, use_orig_params=uop))
         passes = 3
         scenario = Scenario(
             passes=passes,
@@ -90,7 +77,7 @@ def _checkpointing_mixed_precision_case(keep, sync):
     """checkpoint_wrapper and bf16 MixedPrecision together, against two forwards."""
 
     def run() -> None:
-        make = lambda: _checkpointed(  # noqa: E731
+        make = lambda: checkpointed(  # noqa: E731
             f1.wrap(make_net(), use_orig_params=True, mixed_precision=BF16_MP)
         )
         _compare_with_two_forward(make, block_options(keep, sync), TOL_SAME, contextlib.nullcontext)

@@ -32,7 +32,7 @@ from fsdp_retain._saved_tensors import fingerprint
 from tests import fsdp1_utils as f1
 from tests import fsdp2_utils as f2
 from tests.cases_compose import CheckpointedNet
-from tests.cases_fsdp1_compose import _checkpointed as checkpointed_fsdp1
+from tests.fsdp1_compose_utils import checkpointed as checkpointed_fsdp1
 from tests.harness import Registry
 from tests.parity import (
     BATCH,

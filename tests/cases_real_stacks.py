@@ -49,23 +49,6 @@ from tests import (
 )
 from tests.case_parts import combined
 
-# tests/cases_real_stacks_compose.py imports the shared stack from here.
-from tests.real_stacks_hf import (  # noqa: F401
-    HALF,
-    OPTIONS,
-    STEPS,
-    _opt_tag,
-    assert_close_dicts_tol,
-    hf_rl_parity,
-    logp_loss,
-    tiny_qwen2,
-    token_logp,
-    tokens,
-    weighted_loss,
-    wrap_fsdp1,
-    wrap_fsdp2,
-)
-
 registry = combined(
     cases_real_stacks_hf,
     cases_real_stacks_reentrant,

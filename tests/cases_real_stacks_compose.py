@@ -39,7 +39,7 @@ from fsdp_retain import no_reshard_between_backwards
 from fsdp_retain._measure import count_collectives
 from tests import fsdp1_utils as f1
 from tests import fsdp2_utils as f2
-from tests.cases_real_stacks import (
+from tests.real_stacks_hf import (
     HALF,
     OPTIONS,
     STEPS,

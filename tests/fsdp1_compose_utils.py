@@ -10,16 +10,31 @@ per backward; for ``sync_grads="last"`` the passes before the last inside FSDP's
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.distributed.fsdp import MixedPrecision
 
 from fsdp_retain import no_reshard_between_backwards
 from fsdp_retain._fsdp1_inspect import fsdp1_snapshot
 from tests import fsdp1_utils as f1
-from tests.parity import LOSSES, Scenario, batch, block_options, make_net, run_parity, sgd
+from tests.parity import (
+    LOSSES,
+    Block,
+    Scenario,
+    batch,
+    block_options,
+    make_net,
+    run_parity,
+    sgd,
+)
 
 # keep_unsharded x sync_grads x use_orig_params
 GRID = list(itertools.product((True, False), ("every", "last"), (False, True)))
@@ -30,6 +45,19 @@ TOL_SAME = dict(rtol=1e-5, atol=1e-5)
 
 def _tag(keep: bool, sync: str, uop: bool) -> str:
     return f"{'keep' if keep else 'regather'}_{sync}_{'orig' if uop else 'flat'}"
+
+
+def checkpointed(model: nn.Module) -> nn.Module:
+    """FSDP1's ``apply_activation_checkpointing``: non-reentrant ``checkpoint_wrapper``
+    around each ``Block`` (also ``tests/cases_integrity.py``'s)."""
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+        check_fn=lambda m: isinstance(m, Block),
+    )
+    return model
 
 
 def _warm_up(model: nn.Module, ref: nn.Module) -> None:
