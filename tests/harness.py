@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import faulthandler
 import importlib
 import json
 import os
@@ -283,7 +284,7 @@ def _worker(module: str, out: Path, names: list[str]) -> int:
         try:
             dist.barrier()
         except Exception:  # noqa: BLE001 - a peer failed; stop here
-            print(f"[rank {rank}] barrier after {name} failed", flush=True)
+            print(f"[rank {rank}] barrier after {name} failed:\n{traceback.format_exc()}", flush=True)
             return 1
     dist.destroy_process_group()
     return 0
@@ -295,6 +296,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--cases", required=True)
     args = parser.parse_args()
+    faulthandler.enable()  # a crashing rank leaves its Python stack in its log
     return _worker(args.module, args.out, [n for n in args.cases.split(",") if n])
 
 
