@@ -56,7 +56,14 @@ later ``loss.backward()``). So, for every forward inside the block, a forward
 hook on the engine marks DeepSpeed's hook managers on the output as done
 (``_disarm_output_hooks``; their per-tensor gradient scaling still runs), and
 the block runs the prologue at the start of every pass that computes gradients
-(``_engine_prologue``). A ``loss.backward()`` pass that never reaches an
+(``_engine_prologue``). A forward from before the block kept its hook armed
+(the block never saw it), so while the block is installed the engine's
+``_backward_prologue`` is shadowed by a no-op (``_prologue_from_output_hook``)
+and the block calls the real one. Without that, one ``loss.backward()`` over
+a loss mixing such a forward with one inside the block skipped the epilogue
+and left gradients unreduced (off by 3e-3 with ``sync_grads="every"``; plain
+DeepSpeed is off the same way for two forwards and one ``loss.backward()``).
+A ``loss.backward()`` pass that never reaches an
 output misses that per-tensor division by ``gradient_accumulation_steps``:
 refused when it is above 1 (``engine.backward`` scales the loss itself).
 """
@@ -189,6 +196,7 @@ class DeepSpeedBlock(BlockBase):
         self._bumped_micro_step = False
         self._pending = False  # "last": unreduced gradients held in .grad
         self._saved_coalesce: bool | None = None
+        self._prologue: Any = None  # the engine's _backward_prologue, shadowed in the block
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -199,7 +207,6 @@ class DeepSpeedBlock(BlockBase):
 
     def _install(self) -> None:
         flavour = self._flavour
-        require_attr(self.model, "_backward_prologue", flavour)
         require_attr(self.model, "_running_engine_backward", flavour)
         require_attr(self._optimizer, "_backward_hook_state", flavour)
         require_attr(self._optimizer, "micro_step_id", flavour)
@@ -212,6 +219,10 @@ class DeepSpeedBlock(BlockBase):
             self._optimizer._coalesce_grad_reduction = True
         self._release = release
         self.model.step = _step_inside_block
+        # The engine's own prologue, run by the block at each pass start; every
+        # other call in the block is a forward's output hook (see the note).
+        self._prologue = require_attr(self.model, "_backward_prologue", flavour)
+        self.model._backward_prologue = _prologue_from_output_hook
         self._hooks.append(self._root.register_forward_hook(self._record_nodes))
         self._hooks.append(self.model.register_forward_pre_hook(self._refuse_forward_after_held))
         self._hooks.append(self.model.register_forward_hook(self._disarm_output_hooks))
@@ -232,6 +243,7 @@ class DeepSpeedBlock(BlockBase):
         self._hooks.clear()
         self._coordinator.__dict__.pop(_RELEASE, None)
         self.model.__dict__.pop("step", None)
+        self.model.__dict__.pop("_backward_prologue", None)
         if self._saved_coalesce is not None:
             self._optimizer._coalesce_grad_reduction = self._saved_coalesce
         self._release_model()
@@ -408,7 +420,7 @@ class DeepSpeedBlock(BlockBase):
         state = self._optimizer._backward_hook_state
         state.backward_active_depth = 0
         state.backward_seen_this_step = False  # enter_backward then resets its counters
-        self.model._backward_prologue()
+        self._prologue()
 
     def _flush_gradients(self) -> None:
         """Reduce-scatters the held-back gradients, as ``coalesce_grad_reduction`` does."""
@@ -420,6 +432,15 @@ class DeepSpeedBlock(BlockBase):
                 if param.requires_grad and param.grad is not None:
                     opt.reduce_ready_partitions_and_remove_grads(param)
         opt.independent_gradient_partition_epilogue()
+
+
+def _prologue_from_output_hook() -> None:
+    """The engine's ``_backward_prologue`` while the block is installed: a no-op.
+
+    DeepSpeed calls it from a once-per-forward hook on the engine output; the
+    block runs the real one at each pass start instead. A forward from before
+    the block still has that hook armed (see the note).
+    """
 
 
 def _step_inside_block(*args: Any, **kwargs: Any) -> None:

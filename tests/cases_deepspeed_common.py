@@ -201,6 +201,7 @@ class Scenario:
     forwards: int = 1
     interleave: bool = False
     forward_outside: bool = False  # forward 0 runs before the block is entered
+    mixed: bool = False  # every pass's loss sums its loss over all the forwards
 
     def options(self) -> dict:
         return dict(
@@ -244,6 +245,8 @@ def pass_loss(outs: list, kept: list, scenario: Scenario, index: int) -> torch.T
 
     ``outs[k]`` and ``kept[k]`` are forward k's logits and decoder layer 0 output.
     """
+    if scenario.mixed:
+        return sum(LOSSES[index % len(LOSSES)](out.float()) for out in outs)
     forward = index % scenario.forwards
     if scenario.starts_inside(index):
         return torch.tanh(kept[forward].float()).pow(2).mean()

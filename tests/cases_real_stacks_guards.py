@@ -2,6 +2,7 @@
 
 - ``out = model(x)`` above the ``with``: FSDP1 refuses the pass before any gradient
   moves and stays usable (without the block it crashes or is wrong); FSDP2 is right.
+  A loss that also reaches a forward inside the block is right on both.
 - The FSDP1 guards (see ``[Note: what the FSDP1 guards check]``): a unit whose
   reduction hook is gone raises instead of leaving an unreduced gradient.
 """
@@ -133,6 +134,53 @@ def forward_before_block_fsdp2_parity() -> None:
             assert_close_dicts(f2.full_grads(model), ref_grads, f"{keep}/{sync} step {step}")
             opt.step()
             opt.zero_grad()
+
+
+def _mixed_forwards(wrap, full_grads, keep: bool, sync: str, passes: int) -> None:
+    """One loss over a forward from before the block and one inside (each pass sums
+    its loss over both): matches the reference over 3 steps. The pass reaches the
+    block's forward, so it is not refused as a forward outside the block."""
+    model = make_net()
+    ref = reference_copy(model)
+    model = wrap(model)
+    opt, ref_opt = sgd(model), sgd(ref)
+    losses = [lambda o: o.mean(), lambda o: o.pow(2).mean()][:passes]
+    for step in range(STEPS):
+        x0, x1 = batch(2 * step), batch(2 * step + 1)
+        r0, r1 = ref(x0), ref(x1)
+        for i, loss in enumerate(losses):
+            (loss(r0) + loss(r1)).backward(retain_graph=i < passes - 1)
+        ref_grads = averaged_grads(ref)
+        for name, param in ref.named_parameters():
+            param.grad = ref_grads[name]
+        ref_opt.step()
+        ref_opt.zero_grad()
+        before = model(x0)
+        with no_reshard_between_backwards(model, keep_unsharded=keep, sync_grads=sync):
+            inside = model(x1)
+            for i, loss in enumerate(losses):
+                (loss(before) + loss(inside)).backward(retain_graph=i < passes - 1)
+        assert_close_dicts(full_grads(model), ref_grads, f"{keep}/{sync} step {step}")
+        opt.step()
+        opt.zero_grad()
+
+
+def _add_mixed_forward_cases() -> None:
+    flavours = {
+        f"fsdp1_{f1.STRATEGY_NAMES[strategy]}_{'orig' if uop else 'flat'}": (
+            functools.partial(f1.wrap, strategy=strategy, use_orig_params=uop), f1.full_grads)
+        for strategy, uop in itertools.product((f1.FULL, f1.GRAD_OP, f1.NO_SHARD), (True, False))
+    }
+    flavours["fsdp2"] = (f2.wrap, f2.full_grads)
+    for (tag, (wrap, grads)), passes in itertools.product(flavours.items(), (1, 2)):
+        for keep, sync in OPTIONS if tag in ("fsdp1_full_orig", "fsdp2") else OPTIONS[::3]:
+            registry.add(
+                f"mixed_forward_before_and_inside_{tag}_{_opt_tag(keep, sync)}_p{passes}",
+                functools.partial(_mixed_forwards, wrap, grads, keep, sync, passes),
+            )
+
+
+_add_mixed_forward_cases()
 
 
 # --- The FSDP1 guards ----------------------------------------------------------
