@@ -141,6 +141,12 @@ def loud(fn):
     return wrapper
 
 
+class Liveness:
+    """Whether a block is still open; the only state the graph's guard hooks keep."""
+
+    exited = False
+
+
 def queue_callback(fn) -> None:
     """Runs ``fn`` when the running backward ends (call only inside a pass)."""
     from torch.autograd import Variable

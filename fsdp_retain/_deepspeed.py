@@ -70,6 +70,7 @@ refused when it is above 1 (``engine.backward`` scales the loss itself).
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -78,7 +79,15 @@ import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 
 from . import _pass_start
-from ._common import RetainError, grad_tensors, missing_internal, queue_callback, require_attr
+from ._common import (
+    Liveness,
+    RetainError,
+    grad_tensors,
+    loud,
+    missing_internal,
+    queue_callback,
+    require_attr,
+)
 from ._lifecycle import BlockBase
 from ._policy import RetainOptions
 
@@ -96,6 +105,14 @@ FORWARD_OUTSIDE = (
     "give wrong or unreduced gradients. Run the forward inside the block:\n"
     "    with no_reshard_between_backwards(engine):\n        out = engine(x)\n"
     "        engine.backward(loss1, retain_graph=True)\n        engine.backward(loss2)"
+)
+
+AFTER_EXIT = (
+    "no_reshard_between_backwards: this backward runs over a graph whose forward ran "
+    "inside a no_reshard_between_backwards block on a DeepSpeed engine that has already "
+    "exited. When the block ended, ZeRO-3 released the parameters this graph saved, so "
+    "the pass would fail (The size of tensor a (0) must match ...). Move this backward "
+    "inside the block, before the `with` statement ends (or run a new forward for it)."
 )
 
 FORWARD_AFTER_HELD_PASS = (
@@ -196,6 +213,7 @@ class DeepSpeedBlock(BlockBase):
         self._bumped_micro_step = False
         self._pending = False  # "last": unreduced gradients held in .grad
         self._saved_coalesce: bool | None = None
+        self._alive = Liveness()  # shared with the guard hooks on the outputs' graphs
         self._prologue: Any = None  # the engine's _backward_prologue, shadowed in the block
 
     # Entering and leaving (see BlockBase) #
@@ -225,9 +243,11 @@ class DeepSpeedBlock(BlockBase):
         self.model._backward_prologue = _prologue_from_output_hook
         self._hooks.append(self._root.register_forward_hook(self._record_nodes))
         self._hooks.append(self.model.register_forward_pre_hook(self._refuse_forward_after_held))
-        self._hooks.append(self.model.register_forward_hook(self._disarm_output_hooks))
+        self._hooks.append(
+            self.model.register_forward_hook(functools.partial(_disarm_output_hooks, flavour))
+        )
         self._partitions = require_attr(self._optimizer, _GRAD_PARTITIONS, flavour)
-        self._acc_grads = self._nodes_from_before()
+        self._acc_grads = _nodes_from_before(self._root, flavour)
         for module in self._root.modules():
             if "pre_bwd_fn" in module.__dict__:
                 self._hooks.append(self.probe_targets.hook_unit(module))
@@ -235,6 +255,7 @@ class DeepSpeedBlock(BlockBase):
         self._watch()
 
     def _uninstall(self) -> None:
+        self._alive.exited = True
         self._output_nodes.clear()
         self._acc_grads.clear()
         self._param_nodes.clear()
@@ -285,7 +306,11 @@ class DeepSpeedBlock(BlockBase):
     def _record_nodes(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or self._in_backward():
             return
-        self._output_nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
+        for tensor in grad_tensors(output):
+            if tensor.grad_fn is not None:
+                self._output_nodes.append(tensor.grad_fn)
+                # Stays on the graph, before DeepSpeed's own hooks on the output.
+                tensor.register_hook(functools.partial(_backward_after_exit, self._alive))
         if self._acc_recorded:
             return  # held here, so every later forward's graph uses the same nodes
         self._acc_recorded = True
@@ -299,36 +324,6 @@ class DeepSpeedBlock(BlockBase):
     def _refuse_forward_after_held(self, engine: Any, args: Any) -> None:
         if self._pending and torch.is_grad_enabled() and not self._in_backward():
             raise RetainError(FORWARD_AFTER_HELD_PASS)
-
-    def _nodes_from_before(self) -> list[Any]:
-        """The ``AccumulateGrad`` nodes that a graph from before the block holds.
-
-        A parameter's node lives as long as a graph holds it, and records the
-        parameter's shape when it is made. ZeRO-3 keeps a released parameter's
-        ``.data`` empty, so a node made now has shape 0: not held by any graph,
-        and dropped here (one held would break the block's first forward).
-        """
-        found = []
-        for param in self._root.parameters():
-            if not param.requires_grad:
-                continue
-            node = get_gradient_edge(param).node
-            metadata = require_attr(node, "_input_metadata", self._flavour)
-            if tuple(metadata[0].shape) == tuple(getattr(param, "ds_shape", param.shape)):
-                found.append(node)
-        return found
-
-    def _disarm_output_hooks(self, engine: Any, args: Any, output: Any) -> None:
-        """See [Note: the engine's backward prologue in the block]."""
-        if not torch.is_grad_enabled() or self._in_backward():
-            return
-        tensors = [t for t in grad_tensors(output) if t.grad_fn is not None]
-        managers = [m for t in tensors for m in getattr(t, _HOOK_MANAGERS, ())]
-        if tensors and not managers:
-            raise missing_internal(f"Tensor.{_HOOK_MANAGERS} (engine output)", self._flavour)
-        for manager in managers:
-            require_attr(manager, "preprocess_done", self._flavour)
-            manager.preprocess_done = True
 
     def on_backward_start(self) -> None:
         """Inside every backward, before its first node runs (see ``_pass_start``).
@@ -432,6 +427,45 @@ class DeepSpeedBlock(BlockBase):
                 if param.requires_grad and param.grad is not None:
                     opt.reduce_ready_partitions_and_remove_grads(param)
         opt.independent_gradient_partition_epilogue()
+
+
+def _nodes_from_before(root: nn.Module, flavour: str) -> list[Any]:
+    """The ``AccumulateGrad`` nodes that a graph from before the block holds.
+
+    A parameter's node lives as long as a graph holds it, and records the
+    parameter's shape when it is made. ZeRO-3 keeps a released parameter's
+    ``.data`` empty, so a node made now has shape 0: not held by any graph,
+    and dropped here (one held would break the block's first forward).
+    """
+    found = []
+    for param in root.parameters():
+        if not param.requires_grad:
+            continue
+        node = get_gradient_edge(param).node
+        metadata = require_attr(node, "_input_metadata", flavour)
+        if tuple(metadata[0].shape) == tuple(getattr(param, "ds_shape", param.shape)):
+            found.append(node)
+    return found
+
+
+def _disarm_output_hooks(flavour: str, engine: Any, args: Any, output: Any) -> None:
+    """See [Note: the engine's backward prologue in the block]."""
+    if not torch.is_grad_enabled() or _pass_start.in_backward():
+        return
+    tensors = [t for t in grad_tensors(output) if t.grad_fn is not None]
+    managers = [m for t in tensors for m in getattr(t, _HOOK_MANAGERS, ())]
+    if tensors and not managers:
+        raise missing_internal(f"Tensor.{_HOOK_MANAGERS} (engine output)", flavour)
+    for manager in managers:
+        require_attr(manager, "preprocess_done", flavour)
+        manager.preprocess_done = True
+
+
+@loud
+def _backward_after_exit(alive: Liveness, grad: torch.Tensor) -> None:
+    """Refuses a backward over an engine output of the block after the block exited."""
+    if alive.exited:
+        raise RetainError(AFTER_EXIT)
 
 
 def _prologue_from_output_hook() -> None:

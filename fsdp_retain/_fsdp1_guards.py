@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._common import RetainError, loud
+from ._common import Liveness, RetainError, loud
 
 if TYPE_CHECKING:
     from ._fsdp1_units import Unit
@@ -89,12 +89,6 @@ GRADS_OF_GRADS = (
     "torch.autograd.grad(..., create_graph=True) and backpropagate the outer loss "
     "with a plain .backward() in a later pass of the same block."
 )
-
-
-class Liveness:
-    """Whether a block is still open; the only state the graph's guard hooks keep."""
-
-    exited = False
 
 
 @loud

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._common import compiling, eager_modules, grad_tensors, loud
+from ._common import Liveness, compiling, eager_modules, grad_tensors, loud
 from ._fsdp1_compat import (
     HOOK_STATE,
     acc_grad_node,
@@ -34,7 +34,7 @@ from ._fsdp1_compat import (
     is_fsdp1_unit,
     unsharded_bytes,
 )
-from ._fsdp1_guards import Liveness, backward_after_exit
+from ._fsdp1_guards import backward_after_exit
 
 
 @dataclasses.dataclass(eq=False)

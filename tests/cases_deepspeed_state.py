@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO-3 configurations refused and state restored (part of
 ``tests/cases_deepspeed.py``).
 
-ZeRO stages 0-2, a nested block, a byte budget and ``engine.step()`` inside the block
-are refused; after a clean or failed block (keep_unsharded x sync_grads) the engine's
+ZeRO stages 0-2, a nested block, a byte budget, ``engine.step()`` inside the block and
+a backward after the block exited are refused; after a clean or failed block (keep_unsharded x sync_grads) the engine's
 hooks, coordinator, optimizer flags and ``.grad`` are as before, and plain training
 goes on matching the reference.
 """
@@ -14,6 +14,7 @@ import itertools
 import torch
 
 from fsdp_retain import no_reshard_between_backwards
+from fsdp_retain._common import RetainError
 from tests.cases_deepspeed_common import (
     Scenario,
     assert_all_released,
@@ -132,6 +133,42 @@ def byte_budget_is_rejected() -> None:
     else:
         raise AssertionError("a byte budget was accepted on DeepSpeed")
     assert_all_released(engine)
+
+
+def _after_exit_case(keep: bool, sync: str, engine_backward: bool):
+    """A backward over the block's forward after the block exited: a RetainError that
+    names the fix, raised before any node runs (not ZeRO-3's size-0 error); the
+    engine then trains on, matching the reference."""
+
+    def run() -> None:
+        engine, ref = make_engine(ds_config())
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+        with no_reshard_between_backwards(engine, keep_unsharded=keep, sync_grads=sync):
+            out = engine(tokens(0)).logits
+            first, second = losses(out, 2)
+            engine.backward(first, retain_graph=True)
+        try:
+            engine.backward(second) if engine_backward else second.backward()
+        except RetainError as exc:
+            assert "Move this backward inside the block" in str(exc), exc
+        else:
+            raise AssertionError("a backward after the block exited was accepted")
+        engine.optimizer.zero_grad()  # the step is dropped, on both sides
+        assert_all_released(engine)
+        plain = Scenario(passes=1, use_block=False)
+        for step in range(1, 3):
+            expected = reference_step(ref, ref_opt, plain, step)
+            engine_micro_step(engine, plain, step, 0)
+            assert_close(full_grads(engine), expected, f"plain step {step}: grads")
+            engine.step()
+
+    return run
+
+
+for keep, sync, engine_backward in itertools.product((True, False), ("every", "last"), (True, False)):
+    name = (f"backward_after_exit_is_rejected_{'keep' if keep else 'regather'}_{sync}_"
+            f"{'engine_backward' if engine_backward else 'loss_backward'}")
+    registry.add(name, _after_exit_case(keep, sync, engine_backward))
 
 
 @registry.case()
