@@ -41,7 +41,9 @@ the pass-end callback. So a pass may start from any tensor of the forward,
 e.g. an activation inside the model, not only from the engine's output. A pass
 that runs the parameters' ``AccumulateGrad`` nodes (recorded at entry) but none
 of the forwards' nodes runs over a forward from before the block: refused
-(``FORWARD_OUTSIDE``), as on FSDP1.
+(``FORWARD_OUTSIDE``), as on FSDP1. A hook on each engine output of the block
+stays on its graph and refuses a backward that reaches it after the block
+exited (``AFTER_EXIT``): ZeRO-3 released the parameters that graph saved.
 
 [Note: the engine's backward prologue in the block]
 DeepSpeed runs ``engine._backward_prologue`` (``optimizer.enter_backward()``,
