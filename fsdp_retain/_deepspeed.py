@@ -54,19 +54,16 @@ at an activation inside the model) gets no prologue, so nothing flushes its
 last gradient bucket under ``loss.backward()``; and with two forwards in the
 block the second output's hook runs it on top of the block's, leaving
 ``backward_active_depth`` at 2 (then DeepSpeed skips the epilogue of every
-later ``loss.backward()``). So, for every forward inside the block, a forward
-hook on the engine marks DeepSpeed's hook managers on the output as done
-(``_disarm_output_hooks``; their per-tensor gradient scaling still runs), and
-the block runs the prologue at the start of every pass that computes gradients
-(``_engine_prologue``). A forward from before the block kept its hook armed
-(the block never saw it), so while the block is installed the engine's
-``_backward_prologue`` is shadowed by a no-op (``_prologue_from_output_hook``)
-and the block calls the real one. Without that, one ``loss.backward()`` over
-a loss mixing such a forward with one inside the block skipped the epilogue
-and left gradients unreduced (off by 3e-3 with ``sync_grads="every"``; plain
-DeepSpeed is off the same way for two forwards and one ``loss.backward()``).
-A ``loss.backward()`` pass that never reaches an
-output misses that per-tensor division by ``gradient_accumulation_steps``:
+later ``loss.backward()``); a forward from before the block has its hook
+armed too (seen: one ``loss.backward()`` over a loss that mixes it with a
+forward inside the block left gradients unreduced, off by 3e-3 with
+``sync_grads="every"``, as plain DeepSpeed is for two forwards and one
+``loss.backward()``). So, while the block is installed, the engine's
+``_backward_prologue`` is shadowed by a no-op (``_prologue_from_output_hook``:
+the output hooks' per-tensor gradient scaling still runs), and the block runs
+the real one at the start of every pass that computes gradients
+(``_engine_prologue``). A ``loss.backward()`` pass that never reaches an output
+misses that per-tensor division by ``gradient_accumulation_steps``:
 refused when it is above 1 (``engine.backward`` scales the loss itself).
 """
 
@@ -86,7 +83,6 @@ from ._common import (
     RetainError,
     grad_tensors,
     loud,
-    missing_internal,
     queue_callback,
     require_attr,
 )
@@ -95,8 +91,6 @@ from ._policy import RetainOptions
 
 _RELEASE = "_PartitionedParameterCoordinator__release_param"
 _COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")
-# DeepSpeed's OutputBackwardHookManager list on the first output tensor (0.18+).
-_HOOK_MANAGERS = "_backward_hook_managers"
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 FORWARD_OUTSIDE = (
@@ -245,9 +239,6 @@ class DeepSpeedBlock(BlockBase):
         self.model._backward_prologue = _prologue_from_output_hook
         self._hooks.append(self._root.register_forward_hook(self._record_nodes))
         self._hooks.append(self.model.register_forward_pre_hook(self._refuse_forward_after_held))
-        self._hooks.append(
-            self.model.register_forward_hook(functools.partial(_disarm_output_hooks, flavour))
-        )
         self._partitions = require_attr(self._optimizer, _GRAD_PARTITIONS, flavour)
         self._acc_grads = _nodes_from_before(self._root, flavour)
         for module in self._root.modules():
@@ -333,7 +324,7 @@ class DeepSpeedBlock(BlockBase):
         That is inside ``loss.backward()``, so after what ``engine.backward`` does
         first (scale the loss, mark an engine backward running), and before
         ZeRO-3's hook on the engine output runs the engine's backward prologue
-        (disarmed in the block, see [Note: the engine's backward prologue in the block]).
+        (a no-op in the block, see [Note: the engine's backward prologue in the block]).
         """
         run = _pass_start.will_run
         reaches_output = any(map(run, self._output_nodes))
@@ -448,19 +439,6 @@ def _nodes_from_before(root: nn.Module, flavour: str) -> list[Any]:
         if tuple(metadata[0].shape) == tuple(getattr(param, "ds_shape", param.shape)):
             found.append(node)
     return found
-
-
-def _disarm_output_hooks(flavour: str, engine: Any, args: Any, output: Any) -> None:
-    """See [Note: the engine's backward prologue in the block]."""
-    if not torch.is_grad_enabled() or _pass_start.in_backward():
-        return
-    tensors = [t for t in grad_tensors(output) if t.grad_fn is not None]
-    managers = [m for t in tensors for m in getattr(t, _HOOK_MANAGERS, ())]
-    if tensors and not managers:
-        raise missing_internal(f"Tensor.{_HOOK_MANAGERS} (engine output)", flavour)
-    for manager in managers:
-        require_attr(manager, "preprocess_done", flavour)
-        manager.preprocess_done = True
 
 
 @loud
