@@ -22,6 +22,7 @@ import faulthandler
 import importlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -165,6 +166,10 @@ def launch(
             timed_out = True
             break
     if timed_out:
+        for proc in procs:  # each rank's Python stack into its log, then kill
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
         for proc in procs:
             proc.kill()
         for proc in procs:
@@ -296,7 +301,10 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--cases", required=True)
     args = parser.parse_args()
-    faulthandler.enable()  # a crashing rank leaves its Python stack in its log
+    # A crashing rank, or one the launch times out (SIGUSR1), leaves its Python
+    # stack in its log.
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     return _worker(args.module, args.out, [n for n in args.cases.split(",") if n])
 
 
