@@ -82,8 +82,8 @@ from ._common import (
     queue_callback,
     require_attr,
 )
-from ._fsdp1_compat import FLAVOUR, check_installable, internals
-from ._fsdp1_grads import GradLedger
+from ._fsdp1_compat import FLAVOUR, check_installable, internals, orig_param_index, storage_ptrs
+from ._fsdp1_grads import GradLedger, keep_only
 from ._fsdp1_mechanics import (
     pre_backward,
     probe_reshard,
@@ -223,6 +223,7 @@ class FSDP1Block(BlockBase):
             if ledger.has_unreduced():
                 ledger.flush()
         reshard_all(self._units)
+        ledger.clear_unnamed()
         self._reset_iteration_state()
 
     def _abort(self) -> None:
@@ -271,6 +272,8 @@ class FSDP1Block(BlockBase):
         accumulating = [u for u in self._units if u.accumulating]
         if torch.is_grad_enabled() and accumulating and not self.probing:
             raise RetainError(GRADS_OF_GRADS)
+        if not self.probing:
+            self._ledger.note_selection()
         self._on_pass_start()
         for unit in uses:
             if not unit.handle._ran_pre_backward_hook and self._runs_early(unit):
@@ -332,6 +335,8 @@ class FSDP1Block(BlockBase):
         if self.policy.holds_back and self._freeing:
             self._restore_sync()
         rearm(self.model, self._units, self._recorder)
+        if not self.policy.holds_back:
+            self._ledger.clear_unnamed()
         self._record_sentinels()
         check_sharded_grads(reduced)
 
@@ -340,6 +345,47 @@ class FSDP1Block(BlockBase):
             self._ledger.record_sentinels()
         else:
             self._ledger.forget_sentinels()
+
+    # Inputs that name parameters: see [Note: inputs that name parameters] #
+    def _param_of(self, tensor: torch.Tensor) -> tuple[Unit, int | None] | None:
+        """The unit of ``tensor`` and its index there (``None``: the flat parameter)."""
+        for unit in self._units:
+            if tensor is unit.flat_param:
+                return unit, None
+            index = orig_param_index(unit.flat_param, tensor, unit.forward_tensors)
+            if index is not None:
+                return unit, index
+        return None
+
+    def _graph_leaf(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        found = self._param_of(tensor)
+        return None if found is None else found[0].flat_param
+
+    def _param_storages(self) -> set[int]:
+        ptrs = set().union(*(storage_ptrs(u.flat_param) for u in self._units))
+        ptrs.discard(0)
+        return ptrs
+
+    def _select_grads(self, named: list[torch.Tensor]) -> list[Any]:
+        chosen: dict[Unit, set[int]] = {}
+        whole: set[Unit] = set()
+        for tensor in named:
+            unit, index = self._param_of(tensor)
+            if index is None:
+                whole.add(unit)
+            else:
+                chosen.setdefault(unit, set()).add(index)
+        handles = []
+        for unit, indices in chosen.items():
+            if unit not in whole:
+                unit.selected = indices
+                handles.extend(keep_only(unit, indices))
+        return handles
+
+    def after_backward(self) -> None:
+        super().after_backward()
+        for unit in self._units:
+            unit.selected = None
 
     # Probe passes #
     def _hook_unit_inputs(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> None:

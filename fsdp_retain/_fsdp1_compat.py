@@ -114,6 +114,46 @@ def hooked_node(handle: Any) -> Any:
     return hook_state[0] if hook_state is not None and len(hook_state) == 2 else None
 
 
+def orig_param_index(flat_param: Any, tensor: torch.Tensor, views: list[Any] | None) -> int | None:
+    """Which original parameter of ``flat_param`` (``use_orig_params=True``)
+    ``tensor`` is: one of them, a tied duplicate of one, or a view a forward
+    used (``views``); ``None`` if none."""
+    for index, param in enumerate(getattr(flat_param, "_params", None) or ()):
+        if param is tensor:
+            return index
+    for index, view in enumerate(views or ()):
+        if view is tensor:
+            return index
+    shared = getattr(flat_param, "_shared_params", None) or ()
+    for info, param in zip(getattr(flat_param, "_shared_param_infos", ()), shared):
+        if param is tensor:
+            for index, prim in enumerate(flat_param._param_infos):
+                if prim.module is info.prim_module and prim.param_name == info.prim_param_name:
+                    return index
+    return None
+
+
+def param_segments(flat_param: Any) -> list[tuple[int, int]]:
+    """Each original parameter's ``(start, end)`` in the unsharded flat parameter
+    (and its gradient): ``_numels_with_padding`` less the alignment padding."""
+    numels = require_attr(flat_param, "_numels_with_padding", FLAVOUR)
+    padding = require_attr(flat_param, "_is_padding_mask", FLAVOUR)
+    segments, start = [], 0
+    for numel, is_padding in zip(numels, padding):
+        if not is_padding:
+            segments.append((start, start + numel))
+        start += numel
+    return segments
+
+
+def storage_ptrs(flat_param: Any) -> set[int]:
+    """Data pointers of every storage a flat parameter's views may point into."""
+    tensors = [flat_param] + [
+        getattr(flat_param, name, None) for name in ("_local_shard", "_full_param_padded")
+    ]
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+
+
 def unsharded_bytes(handle: Any) -> int:
     """Bytes of the unit's unsharded flat parameter (0 for ``NO_SHARD``)."""
     if not handle.uses_sharded_strategy:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ._common import warn_once
-from ._fsdp1_compat import internals
+from ._fsdp1_compat import acc_grad_node, internals, param_segments
 from ._fsdp1_units import Unit
 
 
@@ -117,6 +117,29 @@ class GradLedger:
                 flat_param._saved_grad_shard = saved
             if handle._use_orig_params:
                 handle._use_sharded_grad_views()
+
+    def note_selection(self) -> None:
+        """At a pass start: the original parameters the pass's ``inputs`` leave
+        out of units it accumulates into (see [Note: inputs that name parameters])."""
+        for unit in self.units:
+            if not unit.accumulating:
+                continue
+            if unit.selected is None:
+                unit.unnamed_none.clear()
+                continue
+            params = unit.flat_param._params or ()
+            unit.unnamed_none |= {
+                i for i, p in enumerate(params) if i not in unit.selected and p.grad is None
+            }
+            unit.unnamed_none -= unit.selected
+
+    def clear_unnamed(self) -> None:
+        """``None`` again as the ``.grad`` of parameters that only passes not naming
+        them reached: FSDP1 shows the zeros of the unit's flat gradient there."""
+        for unit in self.units:
+            params = unit.flat_param._params or ()
+            for index in unit.unnamed_none:
+                params[index].grad = None
 
     @staticmethod
     def drop_unreduced(unit: Unit, pending_local: bool) -> None:
@@ -235,6 +258,24 @@ class GradLedger:
             }
             cleared = sorted(set(cleared) | zeroed)
         _zero_saved_shard(handle, cleared)
+
+
+def keep_only(unit: Unit, indices: set[int]) -> list[Any]:
+    """Hooks that zero, in each gradient the pass accumulates into ``unit``, the
+    parts of parameters not in ``indices``; returns their handles. See
+    [Note: inputs that name parameters]: FSDP1 keeps one gradient per unit."""
+    drop = [seg for i, seg in enumerate(param_segments(unit.flat_param)) if i not in indices]
+    if not drop:
+        return []
+
+    def zero_others(grad_outputs: tuple) -> tuple:
+        grad = grad_outputs[0].clone()
+        for start, end in drop:
+            grad[start:end] = 0
+        return (grad,) + tuple(grad_outputs[1:])
+
+    nodes = unit.acc_grads or [acc_grad_node(unit.flat_param)]
+    return [node.register_prehook(zero_others) for node in nodes]
 
 
 def _has_unreduced(unit: Unit) -> bool:

@@ -66,6 +66,11 @@ class Unit:
     grads_before: tuple[Any, Any] | None = None
     accumulating: bool = False
     sentinel: Any = None
+    # See [Note: inputs that name parameters]: the original parameters the
+    # running pass's ``inputs`` named (``None``: all), and those that only
+    # passes not naming them reached while their ``.grad`` was ``None``.
+    selected: set[int] | None = None
+    unnamed_none: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def flat_param(self) -> Any:
@@ -89,6 +94,7 @@ class Unit:
         self.inner_nodes.clear()
         self.acc_grads.clear()
         self.count = None
+        self.unnamed_none.clear()
 
 
 def make_units(model: nn.Module, states: list[Any]) -> list[Unit]:

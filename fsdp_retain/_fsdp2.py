@@ -209,6 +209,28 @@ class FSDP2Block(BlockBase):
             group.all_reduce_grads = all_reduce_grads
         self._probe_flags.clear()
 
+    # Inputs that name parameters: see [Note: inputs that name parameters] #
+    def _graph_leaf(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        for group in self._groups:
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if tensor is fsdp_param.sharded_param or tensor is unsharded:
+                    # The graph's leaf (FSDP2 keeps this object across reshards).
+                    return unsharded
+        return None
+
+    def _param_storages(self) -> set[int]:
+        ptrs = set()
+        for group in self._groups:
+            for fsdp_param in group.fsdp_params:
+                local = fsdp_param.sharded_param._local_tensor
+                ptrs.add(local.untyped_storage().data_ptr())
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    ptrs.add(unsharded.untyped_storage().data_ptr())
+        ptrs.discard(0)
+        return ptrs
+
     # Pass boundaries #
     def on_backward_start(self) -> None:
         """Inside every backward, before its first node runs (see ``_pass_start``)."""

@@ -21,6 +21,27 @@ implements only the mechanics of its flavour, the abstract methods below.
 - A probe pass (``backward(..., param_grads=False)``): ``_before_probe``,
   ``torch.autograd.grad`` against ``self.probe_targets`` with ``probing``
   true, then ``_end_probe``. See [Note: probe passes] in ``_common.py``.
+
+[Note: inputs that name parameters]
+``loss.backward(inputs=params)`` and ``torch.autograd.grad(loss, params)``
+name the parameters the user holds: FSDP2's sharded DTensors, FSDP1's
+original parameters (views into the sharded flat parameter). The forward's
+graph never used those tensors but unsharded ones (FSDP2's unsharded
+parameter, FSDP1's flat parameter), so plain FSDP silently computes nothing
+for them (``backward``) or zeros (``autograd.grad``). ``_pass_start`` hands
+the pass's ``inputs`` to ``map_inputs`` before the engine starts:
+- each input the backend maps (``_graph_leaf``: a managed parameter, or the
+  ``GradientEdge`` of one) is replaced by the leaf the graph uses, so the
+  pass computes, reduces and shards its gradient as a full pass would and
+  leaves the other parameters alone (``_select_grads``: FSDP1 keeps one
+  gradient per unit and zeroes the parts of its flat gradient that belong to
+  parameters the pass did not name);
+- ``autograd.grad`` (which returns gradients instead of accumulating them)
+  naming a managed parameter is refused before anything runs: the result
+  would be zeros or a local, unreduced gradient;
+- an input that shares storage with a managed parameter but is not one (a
+  slice, ``to_local()``) is refused too: no leaf of the graph stands for it.
+``after_backward`` drops what ``_select_grads`` put on the graph.
 """
 
 from __future__ import annotations
@@ -58,6 +79,7 @@ class BlockBase(abc.ABC):
         self._deferred_hook: Any = None
         self._saved_check: SavedTensorCheck | None = None
         self._step_hook: Any = None
+        self._selection: list[Any] = []  # see [Note: inputs that name parameters]
 
     # The mechanics of one flavour #
     @abc.abstractmethod
@@ -90,6 +112,27 @@ class BlockBase(abc.ABC):
 
     def before_backward(self) -> None:
         """Before every backward, outside the engine (``_pass_start``)."""
+
+    def after_backward(self) -> None:
+        """After every backward, when the engine returned or raised (``_pass_start``)."""
+        for handle in self._selection:
+            handle.remove()
+        self._selection.clear()
+
+    def _graph_leaf(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The tensor the forward's graph uses for ``tensor``, a parameter this
+        block manages; ``None`` if it manages no such parameter."""
+        return None
+
+    def _param_storages(self) -> set[int]:
+        """Data pointers of the managed parameters' storages (unmappable views)."""
+        return set()
+
+    def _select_grads(self, named: list[torch.Tensor]) -> list[Any]:
+        """Before a pass whose ``inputs`` name ``named`` (managed parameters):
+        graph hooks that keep the pass from writing to the parameters that
+        share a leaf with them but are not named; returns their handles."""
+        return []
 
     def _before_probe(self) -> None:
         """Prepare FSDP before a probe pass starts."""
@@ -127,10 +170,14 @@ class BlockBase(abc.ABC):
         *,
         param_grads: bool = True,
         retain_graph: bool | None = None,
+        inputs: Any = None,
     ) -> None:
         """One backward pass of ``loss`` inside the block.
 
-        ``param_grads=True`` is ``loss.backward(retain_graph=retain_graph)``.
+        ``param_grads=True`` is ``loss.backward(retain_graph=retain_graph,
+        inputs=inputs)``: with ``inputs`` (parameters of the model, as
+        ``model.parameters()`` gives them) only their gradients are computed,
+        reduced and sharded; see [Note: inputs that name parameters].
         ``param_grads=False`` is a probe pass: hooks on activations and full
         backward hooks on modules inside FSDP units fire with the gradients a
         plain backward gives them, but no parameter gradient is computed, no
@@ -156,8 +203,14 @@ class BlockBase(abc.ABC):
                 "block exited. Call it inside the `with` statement."
             )
         if param_grads:
-            loss.backward(retain_graph=retain_graph)
+            loss.backward(retain_graph=retain_graph, inputs=inputs)
             return
+        if inputs is not None:
+            raise ValueError(
+                "block.backward(..., param_grads=False, inputs=...): a probe pass computes "
+                "no parameter gradient, so it takes no inputs. Drop inputs=, or use "
+                "param_grads=True to accumulate the gradients of those parameters."
+            )
         refuse_reentrant_checkpoint(loss)
         edges = list(self.probe_targets.edges.values())
         if not edges:
@@ -178,6 +231,36 @@ class BlockBase(abc.ABC):
             self.probing = False
         # Normally done at the pass end already; not if the loss reached no unit.
         self._end_probe()
+
+    def map_inputs(self, inputs: tuple, accumulate: bool) -> tuple:
+        """The ``inputs`` of a pass, with managed parameters replaced by the
+        leaves the graph uses; see [Note: inputs that name parameters]."""
+        if not self._installed or self._exited:
+            return inputs
+        mapped: list[Any] = []
+        named: list[torch.Tensor] = []
+        storages: set[int] | None = None
+        for item in inputs:
+            # A GradientEdge of a leaf stands for the leaf (AccumulateGrad.variable).
+            tensor = getattr(getattr(item, "node", None), "variable", item)
+            leaf = self._graph_leaf(tensor) if isinstance(tensor, torch.Tensor) else None
+            if leaf is not None:
+                named.append(tensor)
+                if not any(leaf is m for m in mapped):
+                    mapped.append(leaf)
+                continue
+            if isinstance(tensor, torch.Tensor):
+                if storages is None:
+                    storages = self._param_storages()
+                if _storage_ptr(tensor) in storages:
+                    raise RetainError(_UNMAPPABLE_INPUT.format(_describe(tensor)))
+            mapped.append(item)
+        if not named:
+            return inputs
+        if not accumulate:
+            raise RetainError(_GRAD_OF_PARAMS.format(len(named)))
+        self._selection.extend(self._select_grads(named))
+        return tuple(mapped)
 
     # Entry and exit #
     def enter(self) -> None:
@@ -263,3 +346,32 @@ class BlockBase(abc.ABC):
 
     def _in_backward(self) -> bool:
         return _pass_start.in_backward()
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard
+    try:
+        return local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"a {type(tensor).__name__} of shape {tuple(tensor.shape)}"
+
+
+_GRAD_OF_PARAMS = (
+    "torch.autograd.grad(...) inside no_reshard_between_backwards names {} parameter(s) "
+    "of the FSDP model. FSDP's forward used unsharded copies of them, so the result "
+    "would be zeros (or a local, unreduced gradient), never their gradient. Use "
+    "loss.backward(inputs=params, retain_graph=True) (or block.backward(loss, "
+    "inputs=params)), which computes, reduces and shards their gradients into .grad; "
+    "take torch.autograd.grad only with respect to activations."
+)
+_UNMAPPABLE_INPUT = (
+    "backward/autograd.grad inputs inside no_reshard_between_backwards include {}, which "
+    "shares storage with a parameter of the FSDP model but is not that parameter (a "
+    "slice, a view, to_local()): the forward's graph used an unsharded copy, so its "
+    "gradient would silently be missing or zero. Name the parameter itself (as "
+    "model.parameters() gives it) in inputs=."
+)

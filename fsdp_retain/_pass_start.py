@@ -10,11 +10,13 @@ the first node of the pass runs.
 While a block is installed, torch.autograd's engine entry
 (``torch.autograd._engine_run_backward``, which ``Tensor.backward``,
 ``torch.autograd.backward`` and ``torch.autograd.grad`` all call) is wrapped:
-each watcher's ``before_backward()`` runs before the engine starts, and a
-pre-hook on the autograd node of every root tensor runs the watchers'
-``on_backward_start()`` inside the pass, where callbacks can be queued and
-:func:`will_run` answers, before any node computes. Nested backwards (e.g.
-reentrant activation checkpointing) pass through untouched.
+each watcher's ``map_inputs()`` sees the pass's ``inputs`` (see [Note: inputs
+that name parameters] in ``_lifecycle.py``) and its ``before_backward()`` runs
+before the engine starts, a pre-hook on the autograd node of every root tensor
+runs the watchers' ``on_backward_start()`` inside the pass, where callbacks can
+be queued and :func:`will_run` answers, before any node computes, and
+``after_backward()`` runs when the engine returns (also on an error). Nested
+backwards (e.g. reentrant activation checkpointing) pass through untouched.
 
 This is autograd-private access shared by every backend; FSDP and DeepSpeed
 internals stay in their backend modules. The wrapper is process-global (so is
@@ -32,12 +34,20 @@ import torch.autograd
 from ._common import RetainError, missing_internal
 
 _ENTRY = "_engine_run_backward"
+# Positions in ``_engine_run_backward(outputs, *args)``, as Tensor.backward,
+# torch.autograd.backward and torch.autograd.grad call it (torch 2.9-2.15).
+_INPUTS_ARG = 3
 _watchers: list = []
 _original = None
+_roots_running: list[set[int]] = []  # ids of the root nodes of each running pass
 
 
 def will_run(node) -> bool:
     """Whether the running backward executes ``node`` (call only inside a pass)."""
+    if _roots_running and id(node) in _roots_running[-1]:
+        # The engine does not list the root of a single-root backward among
+        # the nodes it will execute; it runs first.
+        return True
     try:
         return bool(torch._C._will_engine_execute_node(node))
     except RuntimeError:
@@ -116,25 +126,48 @@ def _roots(outputs) -> list:
     return nodes
 
 
+def _map_inputs(watchers: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Lets each watcher map the ``inputs`` of the pass (``()``: every leaf)."""
+    in_args = len(args) > _INPUTS_ARG
+    inputs = args[_INPUTS_ARG] if in_args else kwargs.get("inputs")
+    if not inputs:
+        return args, kwargs
+    accumulate = bool(kwargs.get("accumulate_grad", True))
+    mapped = tuple(inputs)
+    for watcher in watchers:
+        mapped = watcher.map_inputs(mapped, accumulate)
+    if in_args:
+        return args[:_INPUTS_ARG] + (mapped,) + args[_INPUTS_ARG + 1 :], kwargs
+    return args, {**kwargs, "inputs": mapped}
+
+
 def _run_backward(outputs, *args, **kwargs):
     original = _original
     if in_backward() or not _watchers:
         return original(outputs, *args, **kwargs)
     _refuse_compiled_autograd()
     watchers = list(_watchers)
-    for watcher in watchers:
-        watcher.before_backward()
-    started = []
-
-    def start(grad_outputs):
-        if not started:
-            started.append(True)
-            for watcher in watchers:
-                watcher.on_backward_start()
-
-    handles = [node.register_prehook(start) for node in _roots(outputs)]
+    args, kwargs = _map_inputs(watchers, args, kwargs)
+    roots = _roots(outputs)
     try:
-        return original(outputs, *args, **kwargs)
+        for watcher in watchers:
+            watcher.before_backward()
+        started = []
+
+        def start(grad_outputs):
+            if not started:
+                started.append(True)
+                for watcher in watchers:
+                    watcher.on_backward_start()
+
+        handles = [node.register_prehook(start) for node in roots]
+        _roots_running.append({id(node) for node in roots})
+        try:
+            return original(outputs, *args, **kwargs)
+        finally:
+            _roots_running.pop()
+            for handle in handles:
+                handle.remove()
     finally:
-        for handle in handles:
-            handle.remove()
+        for watcher in watchers:
+            watcher.after_backward()

@@ -81,6 +81,13 @@ class _Watcher:
     def on_backward_start(self) -> None:
         self.calls.append("start")
 
+    def map_inputs(self, inputs: tuple, accumulate: bool) -> tuple:
+        self.calls.append(f"inputs {len(inputs)} {accumulate}")
+        return inputs
+
+    def after_backward(self) -> None:
+        self.calls.append("after")
+
 
 def _entry():
     return getattr(torch.autograd, _pass_start._ENTRY)
@@ -98,7 +105,7 @@ def test_unwatch_restores_the_entry_it_replaced():
     try:
         assert _entry() is not original
         _backward()
-        assert watcher.calls == ["before", "start"]
+        assert watcher.calls == ["before", "start", "after"]
     finally:
         _pass_start.unwatch(watcher)
     assert _entry() is original
@@ -129,7 +136,7 @@ def test_unwatch_leaves_a_wrapper_installed_after_it():
         try:
             assert _entry() is theirs
             _backward()
-            assert second.calls == ["before", "start"], second.calls
+            assert second.calls == ["before", "start", "after"], second.calls
             assert seen == [1, 1]
         finally:
             _pass_start.unwatch(second)
@@ -140,3 +147,47 @@ def test_unwatch_leaves_a_wrapper_installed_after_it():
         _pass_start.watch(first)
         _pass_start.unwatch(first)
     assert _entry() is original
+
+
+def test_watchers_see_inputs_and_the_end_of_every_backward():
+    """``map_inputs`` sees backward's and autograd.grad's inputs (accumulate or
+    not); ``after_backward`` runs also when the engine raises."""
+    watcher = _Watcher()
+    _pass_start.watch(watcher)
+    try:
+        x = torch.ones(2, requires_grad=True)
+        (x * 2).sum().backward(inputs=[x])
+        torch.autograd.grad((x * 3).sum(), x)
+        assert watcher.calls == [
+            "inputs 1 True", "before", "start", "after",
+            "inputs 1 False", "before", "start", "after",
+        ], watcher.calls
+        watcher.calls.clear()
+        y = (x * 2).sum()
+        y.backward()
+        with pytest.raises(RuntimeError):
+            y.backward()  # the graph was freed
+        assert watcher.calls[-1] == "after", watcher.calls
+    finally:
+        _pass_start.unwatch(watcher)
+
+
+def test_will_run_answers_true_for_the_root_of_a_single_root_backward():
+    """The engine leaves the root of a single-root backward out of the nodes it
+    will execute; ``will_run`` must not (a pass whose root is a unit's output)."""
+    seen: list[bool] = []
+
+    class Probe(_Watcher):
+        def on_backward_start(self) -> None:
+            seen.append(_pass_start.will_run(root))
+
+    watcher = Probe()
+    x = torch.ones(2, requires_grad=True)
+    out = x * 2
+    root = out.grad_fn
+    _pass_start.watch(watcher)
+    try:
+        out.backward(torch.ones(2))
+    finally:
+        _pass_start.unwatch(watcher)
+    assert seen == [True]

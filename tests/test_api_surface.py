@@ -1,0 +1,12 @@
+"""The torch API that training code calls beside the block (CPU, gloo): what real
+stacks do next to ``no_reshard_between_backwards`` rather than through its options.
+
+- ``backward(inputs=...)`` / ``block.backward(..., inputs=...)`` and
+  ``torch.autograd.grad`` naming the model's parameters, on FSDP2 and FSDP1
+  (every strategy, original and flat parameters), every option
+  (tests/cases_api_inputs.py).
+"""
+
+from tests.harness import case_tests
+
+case_tests(globals(), "tests.cases_api_inputs", {"test_api_inputs": (2, 900)})
