@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn as nn
@@ -57,11 +57,14 @@ class RetainBlock(Protocol):
         *,
         param_grads: bool = True,
         retain_graph: bool | None = None,
+        inputs: Any = None,
     ) -> None:
         """One backward pass of ``loss``: with ``param_grads=True`` it is
-        ``loss.backward(retain_graph=retain_graph)``; with ``False`` a probe pass
-        that only feeds hooks on activations (no parameter gradient, no
-        ``.grad`` change, nothing reduced)."""
+        ``loss.backward(retain_graph=retain_graph, inputs=inputs)`` (``inputs``:
+        parameters as ``model.parameters()`` gives them; only their gradients are
+        computed, reduced and sharded); with ``False`` a probe pass that only
+        feeds hooks on activations (no parameter gradient, no ``.grad`` change,
+        nothing reduced; no ``inputs``)."""
         ...
 
 

@@ -4,6 +4,8 @@
 #
 #   scripts/torch_matrix.sh 2.9.1 2.10.0 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0
 #   scripts/torch_matrix.sh --subset 2.9.1 2.15.0   # the CI subset (see tests/matrix_subset.txt)
+#   scripts/torch_matrix.sh --install-only 2.9.1 2.15.0   # only make the venvs (CI, in the
+#                                                         # background); a later run reuses them
 #
 # Each venv gets `pip install torch==VERSION`, then the project with its test
 # extra under a constraint that pins that torch (so nothing replaces
@@ -20,12 +22,16 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 
 subset=0
+install_only=0
 if [ "${1:-}" = "--subset" ]; then
   subset=1
   shift
+elif [ "${1:-}" = "--install-only" ]; then
+  install_only=1
+  shift
 fi
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/torch_matrix.sh [--subset] VERSION..." >&2
+  echo "usage: scripts/torch_matrix.sh [--subset | --install-only] VERSION..." >&2
   exit 2
 fi
 
@@ -59,6 +65,11 @@ for version in "$@"; do
     fi
   fi
   installed=$(date +%s)
+  if [ "$install_only" = 1 ]; then
+    echo "   ${result:-installed} ($((installed - start)) s)"
+    [ -z "$result" ] || status=1
+    continue
+  fi
   if [ -z "$result" ]; then
     got=$("$venv/bin/python" -c "import torch; print(torch.__version__.split('+')[0])")
     if [ "$got" != "$version" ]; then

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# A test module that needs an optional stack, in a venv of its own: torch 2.13.0 (never
+# replaced, via a constraints file) plus the stack. The default .venv has neither, so
+# there those tests are skipped.
+#
+#   scripts/venv_ci.sh deepspeed|bergson          # install, test, delete the venv
+#   scripts/venv_ci.sh deepspeed|bergson install  # with CI_VENV_DIR set: only make
+#                                                 # $CI_VENV_DIR/<stack> (CI, in the background)
+#   scripts/venv_ci.sh deepspeed|bergson test     # with CI_VENV_DIR set: test in it
+#                                                 # (installs first if it is missing)
+#
+# deepspeed: tests/test_deepspeed.py with the pinned deepspeed extra, built without ops
+# (DS_BUILD_OPS=0), and transformers for the tiny Qwen2 (in the test extra).
+# bergson: tests/test_bergson.py (examples/influence_bergson.py, FSDP2 and FSDP1) with
+# bergson 2.5.1, which brings transformers. bergson declares torchvision and torchaudio
+# but never imports them, and with the CPU torch the registry's torchvision breaks
+# `import transformers` (`operator torchvision::nms does not exist`): they are uninstalled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stack=${1:?usage: scripts/venv_ci.sh deepspeed|bergson [install|test]}
+step=${2:-all}
+case "$stack" in
+  deepspeed) packages=(-e '.[deepspeed,test]') unwanted=() tests=tests/test_deepspeed.py ;;
+  bergson) packages=(-e '.[test]' bergson==2.5.1) unwanted=(torchvision torchaudio) tests=tests/test_bergson.py ;;
+  *) echo "unknown stack: $stack" >&2; exit 2 ;;
+esac
+if [ -n "${CI_VENV_DIR:-}" ] && [ "$step" != all ]; then
+  work="$CI_VENV_DIR/$stack"
+  mkdir -p "$work"
+else
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+fi
+if [ ! -f "$work/installed" ]; then
+  rm -rf "$work/venv"
+  printf 'torch==2.13.0\n' > "$work/constraints.txt"
+  python3 -m venv "$work/venv"
+  # PIP_CONSTRAINT=/dev/null: a machine-wide pip constraint gives way to this venv's own.
+  PIP_CONSTRAINT=/dev/null DS_BUILD_OPS=0 "$work/venv/bin/pip" install -q \
+      -c "$work/constraints.txt" torch==2.13.0 "${packages[@]}"
+  [ ${#unwanted[@]} = 0 ] || "$work/venv/bin/pip" uninstall -q -y "${unwanted[@]}"
+  touch "$work/installed"
+fi
+[ "$step" = install ] && exit 0
+"$work/venv/bin/python" -m pytest -q "$tests"
