@@ -71,6 +71,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import GradientEdge
 
 from . import _pass_start
 from ._common import (
@@ -82,7 +83,7 @@ from ._common import (
     queue_callback,
     require_attr,
 )
-from ._fsdp1_compat import FLAVOUR, check_installable, internals, orig_param_index, storage_ptrs
+from ._fsdp1_compat import FLAVOUR, check_installable, internals, orig_params, storage_ptrs
 from ._fsdp1_grads import GradLedger, keep_only
 from ._fsdp1_mechanics import (
     pre_backward,
@@ -136,6 +137,7 @@ class FSDP1Block(BlockBase):
         self._post_backward = PostBackwardCheck()
         self._recorder: ForwardRecorder | None = None
         self._ledger: GradLedger | None = None
+        self._params: dict[int, tuple[Unit, int | None]] | None = None  # see _param_of
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -349,17 +351,29 @@ class FSDP1Block(BlockBase):
     # Inputs that name parameters: see [Note: inputs that name parameters] #
     def _param_of(self, tensor: torch.Tensor) -> tuple[Unit, int | None] | None:
         """The unit of ``tensor`` and its index there (``None``: the flat parameter)."""
-        for unit in self._units:
-            if tensor is unit.flat_param:
-                return unit, None
-            index = orig_param_index(unit.flat_param, tensor, unit.forward_tensors)
-            if index is not None:
-                return unit, index
+        if self._params is None:  # built at the first pass with inputs
+            self._params = {}
+            for unit in self._units:
+                self._params[id(unit.flat_param)] = (unit, None)
+                for index, param in orig_params(unit.flat_param):
+                    self._params[id(param)] = (unit, index)
+        found = self._params.get(id(tensor))
+        if found is not None:
+            return found
+        for unit in self._units:  # a view a forward used (use_orig_params)
+            for index, view in enumerate(unit.forward_tensors or ()):
+                if view is tensor:
+                    return unit, index
         return None
 
-    def _graph_leaf(self, tensor: torch.Tensor) -> torch.Tensor | None:
+    def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
         found = self._param_of(tensor)
-        return None if found is None else found[0].flat_param
+        if found is None:
+            return None
+        unit = found[0]
+        # The nodes this block's forwards made (a new one per forward under
+        # parameter mixed precision; see _fsdp1_units), else the flat parameter.
+        return [GradientEdge(node, 0) for node in unit.acc_grads] or [unit.flat_param]
 
     def _param_storages(self) -> set[int]:
         ptrs = set().union(*(storage_ptrs(u.flat_param) for u in self._units))

@@ -114,23 +114,16 @@ def hooked_node(handle: Any) -> Any:
     return hook_state[0] if hook_state is not None and len(hook_state) == 2 else None
 
 
-def orig_param_index(flat_param: Any, tensor: torch.Tensor, views: list[Any] | None) -> int | None:
-    """Which original parameter of ``flat_param`` (``use_orig_params=True``)
-    ``tensor`` is: one of them, a tied duplicate of one, or a view a forward
-    used (``views``); ``None`` if none."""
-    for index, param in enumerate(getattr(flat_param, "_params", None) or ()):
-        if param is tensor:
-            return index
-    for index, view in enumerate(views or ()):
-        if view is tensor:
-            return index
+def orig_params(flat_param: Any) -> list[tuple[int, torch.Tensor]]:
+    """``(index, parameter)`` for each original parameter of ``flat_param``
+    (``use_orig_params=True``) and each tied duplicate (the index of its primary)."""
+    params = list(enumerate(getattr(flat_param, "_params", None) or ()))
     shared = getattr(flat_param, "_shared_params", None) or ()
     for info, param in zip(getattr(flat_param, "_shared_param_infos", ()), shared):
-        if param is tensor:
-            for index, prim in enumerate(flat_param._param_infos):
-                if prim.module is info.prim_module and prim.param_name == info.prim_param_name:
-                    return index
-    return None
+        for index, prim in enumerate(flat_param._param_infos):
+            if prim.module is info.prim_module and prim.param_name == info.prim_param_name:
+                params.append((index, param))
+    return params
 
 
 def param_segments(flat_param: Any) -> list[tuple[int, int]]:

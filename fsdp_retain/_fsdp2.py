@@ -99,6 +99,7 @@ class FSDP2Block(BlockBase):
         self._probe_flags: list[tuple[Any, bool, bool]] = []
         self._nodes = ForwardNodes()  # which states a pass uses: see _fsdp2_nodes
         self._kept: set[int] = set()  # ids of the groups kept unsharded between passes
+        self._leaves: dict[int, Any] | None = None  # see _graph_inputs
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -210,14 +211,18 @@ class FSDP2Block(BlockBase):
         self._probe_flags.clear()
 
     # Inputs that name parameters: see [Note: inputs that name parameters] #
-    def _graph_leaf(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        for group in self._groups:
-            for fsdp_param in group.fsdp_params:
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if tensor is fsdp_param.sharded_param or tensor is unsharded:
-                    # The graph's leaf (FSDP2 keeps this object across reshards).
-                    return unsharded
-        return None
+    def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
+        if self._leaves is None:  # built at the first pass with inputs
+            self._leaves = {}
+            for group in self._groups:
+                for fsdp_param in group.fsdp_params:
+                    # The graph's leaf; FSDP2 keeps this object across reshards.
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        self._leaves[id(fsdp_param.sharded_param)] = unsharded
+                        self._leaves[id(unsharded)] = unsharded
+        leaf = self._leaves.get(id(tensor))
+        return None if leaf is None else [leaf]
 
     def _param_storages(self) -> set[int]:
         ptrs = set()

@@ -30,8 +30,10 @@ graph never used those tensors but unsharded ones (FSDP2's unsharded
 parameter, FSDP1's flat parameter), so plain FSDP silently computes nothing
 for them (``backward``) or zeros (``autograd.grad``). ``_pass_start`` hands
 the pass's ``inputs`` to ``map_inputs`` before the engine starts:
-- each input the backend maps (``_graph_leaf``: a managed parameter, or the
-  ``GradientEdge`` of one) is replaced by the leaf the graph uses, so the
+- each input the backend maps (``_graph_inputs``: a managed parameter, or the
+  ``GradientEdge`` of one) is replaced by what the graph uses (FSDP2's
+  unsharded parameter; the ``AccumulateGrad`` nodes FSDP1's forwards made for
+  the flat parameter, new per forward under mixed precision), so the
   pass computes, reduces and shards its gradient as a full pass would and
   leaves the other parameters alone (``_select_grads``: FSDP1 keeps one
   gradient per unit and zeroes the parts of its flat gradient that belong to
@@ -119,9 +121,10 @@ class BlockBase(abc.ABC):
             handle.remove()
         self._selection.clear()
 
-    def _graph_leaf(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """The tensor the forward's graph uses for ``tensor``, a parameter this
-        block manages; ``None`` if it manages no such parameter."""
+    def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
+        """What stands for ``tensor``, a parameter this block manages, in the
+        forward's graph (leaves, or ``GradientEdge``s of their ``AccumulateGrad``
+        nodes); ``None`` if it manages no such parameter."""
         return None
 
     def _param_storages(self) -> set[int]:
@@ -238,16 +241,20 @@ class BlockBase(abc.ABC):
         if not self._installed or self._exited:
             return inputs
         mapped: list[Any] = []
+        seen: set[int] = set()
         named: list[torch.Tensor] = []
         storages: set[int] | None = None
         for item in inputs:
             # A GradientEdge of a leaf stands for the leaf (AccumulateGrad.variable).
             tensor = getattr(getattr(item, "node", None), "variable", item)
-            leaf = self._graph_leaf(tensor) if isinstance(tensor, torch.Tensor) else None
-            if leaf is not None:
+            graph = self._graph_inputs(tensor) if isinstance(tensor, torch.Tensor) else None
+            if graph is not None:
                 named.append(tensor)
-                if not any(leaf is m for m in mapped):
-                    mapped.append(leaf)
+                for entry in graph:
+                    key = id(getattr(entry, "node", entry))
+                    if key not in seen:
+                        seen.add(key)
+                        mapped.append(entry)
                 continue
             if isinstance(tensor, torch.Tensor):
                 if storages is None:

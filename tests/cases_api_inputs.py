@@ -13,7 +13,8 @@ reference names the same parameters of an unsharded copy.
   steps. FSDP2, FSDP1 FULL_SHARD / SHARD_GRAD_OP / NO_SHARD (original
   parameters), FSDP1 flat parameters (a whole unit named), every option,
   ``block.backward(..., inputs=)``, a ``GradientEdge`` of a parameter, a tied
-  weight, an activation next to a parameter in ``inputs``.
+  weight, an activation next to a parameter in ``inputs``, bf16 parameters
+  (mixed precision: FSDP1 makes a new ``AccumulateGrad`` node per forward).
 - **A step whose only pass names some parameters**: the others do not move
   (their ``.grad`` stays ``None``, so SGD skips them), also with momentum
   from earlier steps.
@@ -348,3 +349,54 @@ def inputs_param_and_activation_fsdp2() -> None:
     torch.testing.assert_close(h.grad, captured["r"].grad, **TOL)
     named = {n: g for n, g in f2.ADAPTER.full_grads(model).items() if n in HEAD}
     assert_close_dicts(named, averaged_grads(ref), "head grads")
+
+
+def _mixed_precision_case(flavour: str) -> None:
+    """bf16 parameters (FSDP1 ``MixedPrecision``, FSDP2 ``MixedPrecisionPolicy``):
+    FSDP1's forward makes a new ``AccumulateGrad`` node for the cast flat
+    parameter, so naming the flat parameter alone would compute nothing. The
+    named gradients equal the fp32 reference's within bf16 rounding."""
+    net = make_net()
+    ref = copy.deepcopy(net)
+    if flavour == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        model = f2.wrap(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    else:
+        from torch.distributed.fsdp import MixedPrecision
+
+        model = f1.wrap(
+            net, f1.FULL, use_orig_params=True,
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+        )
+    adapter = _adapter(flavour)
+    head = _named(model, HEAD)
+    for step in range(2):
+        x = batch(step)
+        ref.zero_grad()
+        LOSSES[0](ref(x)).backward(inputs=[p for n, p in ref.named_parameters() if n in HEAD])
+        expected = averaged_grads(ref)
+        for keep in (True, False):
+            with no_reshard_between_backwards(model, keep_unsharded=keep) as b:
+                out = model(x)
+                LOSSES[0](out).backward(retain_graph=True, inputs=head)
+                assert b.backward_passes == 1
+                got = {n: g.float() for n, g in adapter.full_grads(model).items() if n in HEAD}
+                for name in HEAD:
+                    scale = float(expected[name].abs().max())
+                    torch.testing.assert_close(
+                        got[name], expected[name], rtol=2e-2, atol=2e-2 * scale,
+                        msg=lambda m, n=name: f"step {step} keep={keep}: {n}: {m}",
+                    )
+                stray = [
+                    clean_tensor_name(n)
+                    for n, p in model.named_parameters()
+                    if clean_tensor_name(n) not in HEAD and p.grad is not None
+                ]
+                assert not stray, f"pass 1 wrote .grad of {stray}"
+                LOSSES[1](out).backward()
+            model.zero_grad()
+
+
+registry.add("inputs_bf16_params_fsdp1_full_orig", lambda: _mixed_precision_case("fsdp1_full_orig"))
+registry.add("inputs_bf16_params_fsdp2", lambda: _mixed_precision_case("fsdp2"))
