@@ -42,7 +42,9 @@ the pass's ``inputs`` to ``map_inputs`` before the engine starts:
   naming a managed parameter is refused before anything runs: the result
   would be zeros or a local, unreduced gradient;
 - an input that shares storage with a managed parameter but is not one (a
-  slice, ``to_local()``) is refused too: no leaf of the graph stands for it.
+  slice, ``to_local()``) is refused too: no leaf of the graph stands for it;
+- so is ``inputs=`` over a reentrant activation checkpoint, which torch
+  refuses only midway through the pass.
 ``after_backward`` drops what ``_select_grads`` put on the graph.
 """
 
@@ -57,7 +59,7 @@ import torch.nn as nn
 from . import _pass_start
 from ._common import ACTIVE_ATTR, RetainError, create_graph_needs_keep
 from ._policy import PassTracker, Policy, RetainOptions
-from ._probe import ProbeTargets, refuse_reentrant_checkpoint
+from ._probe import ProbeTargets, reaches_reentrant_checkpoint, refuse_reentrant_checkpoint
 from ._saved_tensors import SavedTensorCheck
 from ._step_guard import refuse_step
 
@@ -235,9 +237,10 @@ class BlockBase(abc.ABC):
         # Normally done at the pass end already; not if the loss reached no unit.
         self._end_probe()
 
-    def map_inputs(self, inputs: tuple, accumulate: bool) -> tuple:
-        """The ``inputs`` of a pass, with managed parameters replaced by the
-        leaves the graph uses; see [Note: inputs that name parameters]."""
+    def map_inputs(self, inputs: tuple, accumulate: bool, roots: list) -> tuple:
+        """The ``inputs`` of a pass (over the autograd nodes ``roots``), with managed
+        parameters replaced by what the graph uses; see [Note: inputs that name
+        parameters]."""
         if not self._installed or self._exited:
             return inputs
         mapped: list[Any] = []
@@ -266,6 +269,8 @@ class BlockBase(abc.ABC):
             return inputs
         if not accumulate:
             raise RetainError(_GRAD_OF_PARAMS.format(len(named)))
+        if reaches_reentrant_checkpoint(roots):
+            raise ValueError(_INPUTS_OVER_REENTRANT)
         self._selection.extend(self._select_grads(named))
         return tuple(mapped)
 
@@ -374,6 +379,14 @@ _GRAD_OF_PARAMS = (
     "loss.backward(inputs=params, retain_graph=True) (or block.backward(loss, "
     "inputs=params)), which computes, reduces and shards their gradients into .grad; "
     "take torch.autograd.grad only with respect to activations."
+)
+_INPUTS_OVER_REENTRANT = (
+    "backward(inputs=...) inside no_reshard_between_backwards reaches a reentrant "
+    "activation checkpoint (torch.utils.checkpoint with use_reentrant=True), which "
+    "refuses inputs= (torch raises midway through the pass, after some gradients were "
+    "written). Use non-reentrant checkpointing (checkpoint(..., use_reentrant=False); in "
+    "HF transformers model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+    "{'use_reentrant': False})), or drop inputs=. Nothing was changed."
 )
 _UNMAPPABLE_INPUT = (
     "backward/autograd.grad inputs inside no_reshard_between_backwards include {}, which "

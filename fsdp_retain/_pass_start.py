@@ -126,7 +126,7 @@ def _roots(outputs) -> list:
     return nodes
 
 
-def _map_inputs(watchers: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _map_inputs(watchers: list, roots: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Lets each watcher map the ``inputs`` of the pass (``()``: every leaf)."""
     in_args = len(args) > _INPUTS_ARG
     inputs = args[_INPUTS_ARG] if in_args else kwargs.get("inputs")
@@ -135,7 +135,7 @@ def _map_inputs(watchers: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]
     accumulate = bool(kwargs.get("accumulate_grad", True))
     mapped = tuple(inputs)
     for watcher in watchers:
-        mapped = watcher.map_inputs(mapped, accumulate)
+        mapped = watcher.map_inputs(mapped, accumulate, roots)
     if in_args:
         return args[:_INPUTS_ARG] + (mapped,) + args[_INPUTS_ARG + 1 :], kwargs
     return args, {**kwargs, "inputs": mapped}
@@ -147,8 +147,8 @@ def _run_backward(outputs, *args, **kwargs):
         return original(outputs, *args, **kwargs)
     _refuse_compiled_autograd()
     watchers = list(_watchers)
-    args, kwargs = _map_inputs(watchers, args, kwargs)
     roots = _roots(outputs)
+    args, kwargs = _map_inputs(watchers, roots, args, kwargs)
     try:
         for watcher in watchers:
             watcher.before_backward()

@@ -72,22 +72,28 @@ _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 def refuse_reentrant_checkpoint(loss: torch.Tensor) -> None:
     """Raises before a probe pass that would reach a reentrant checkpoint."""
-    root = loss.grad_fn
+    if reaches_reentrant_checkpoint([loss.grad_fn]):
+        raise ValueError(
+            "block.backward(..., param_grads=False) reached a reentrant activation "
+            "checkpoint (torch.utils.checkpoint with use_reentrant=True), which "
+            "cannot run a probe pass: it refuses torch.autograd.grad. Use "
+            "non-reentrant checkpointing (checkpoint(..., use_reentrant=False); in "
+            "HF transformers model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})), or run this "
+            "pass with param_grads=True. Nothing was changed."
+        )
+
+
+def reaches_reentrant_checkpoint(roots: list) -> bool:
+    """Whether the graph below the autograd nodes ``roots`` has a reentrant checkpoint."""
     # Visited nodes are kept alive: ids of freed node wrappers could be reused.
-    stack, seen = ([root] if root is not None else []), {}
+    stack, seen = [r for r in roots if r is not None], {}
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen[id(node)] = node
         if type(node).__name__ == _REENTRANT_CHECKPOINT:
-            raise ValueError(
-                "block.backward(..., param_grads=False) reached a reentrant activation "
-                "checkpoint (torch.utils.checkpoint with use_reentrant=True), which "
-                "cannot run a probe pass: it refuses torch.autograd.grad. Use "
-                "non-reentrant checkpointing (checkpoint(..., use_reentrant=False); in "
-                "HF transformers model.gradient_checkpointing_enable("
-                "gradient_checkpointing_kwargs={'use_reentrant': False})), or run this "
-                "pass with param_grads=True. Nothing was changed."
-            )
+            return True
         stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return False

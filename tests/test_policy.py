@@ -81,7 +81,7 @@ class _Watcher:
     def on_backward_start(self) -> None:
         self.calls.append("start")
 
-    def map_inputs(self, inputs: tuple, accumulate: bool) -> tuple:
+    def map_inputs(self, inputs: tuple, accumulate: bool, roots: list) -> tuple:
         self.calls.append(f"inputs {len(inputs)} {accumulate}")
         return inputs
 

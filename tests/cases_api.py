@@ -1,0 +1,13 @@
+"""The torch API that training code calls beside the block, one launch for all parts
+(``tests/test_api_surface.py``): see each part's docstring.
+
+The parts, registered here in this order: ``tests/cases_api_inputs.py``
+(``backward(inputs=)`` and ``autograd.grad`` naming parameters, on the repository's
+MLP), ``tests/cases_api_inputs_hf.py`` (the same on HF Qwen2 with peft LoRA and
+gradient checkpointing).
+"""
+
+from tests import cases_api_inputs, cases_api_inputs_hf
+from tests.case_parts import combined
+
+registry = combined(cases_api_inputs, cases_api_inputs_hf)
