@@ -71,7 +71,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import GradientEdge
 
 from . import _pass_start
 from ._common import (
@@ -83,8 +82,9 @@ from ._common import (
     queue_callback,
     require_attr,
 )
-from ._fsdp1_compat import FLAVOUR, check_installable, internals, orig_params, storage_ptrs
-from ._fsdp1_grads import GradLedger, keep_only
+from ._fsdp1_compat import FLAVOUR, check_installable, internals
+from ._fsdp1_grads import GradLedger
+from ._fsdp1_inputs import ParamIndex
 from ._fsdp1_mechanics import (
     pre_backward,
     probe_reshard,
@@ -137,7 +137,7 @@ class FSDP1Block(BlockBase):
         self._post_backward = PostBackwardCheck()
         self._recorder: ForwardRecorder | None = None
         self._ledger: GradLedger | None = None
-        self._params: dict[int, tuple[Unit, int | None]] | None = None  # see _param_of
+        self._inputs = ParamIndex(self._units)  # passes with inputs=
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -348,53 +348,15 @@ class FSDP1Block(BlockBase):
         else:
             self._ledger.forget_sentinels()
 
-    # Inputs that name parameters: see [Note: inputs that name parameters] #
-    def _param_of(self, tensor: torch.Tensor) -> tuple[Unit, int | None] | None:
-        """The unit of ``tensor`` and its index there (``None``: the flat parameter)."""
-        if self._params is None:  # built at the first pass with inputs
-            self._params = {}
-            for unit in self._units:
-                self._params[id(unit.flat_param)] = (unit, None)
-                for index, param in orig_params(unit.flat_param):
-                    self._params[id(param)] = (unit, index)
-        found = self._params.get(id(tensor))
-        if found is not None:
-            return found
-        for unit in self._units:  # a view a forward used (use_orig_params)
-            for index, view in enumerate(unit.forward_tensors or ()):
-                if view is tensor:
-                    return unit, index
-        return None
-
+    # Passes with inputs=: see [Note: inputs that name parameters] in _inputs.py #
     def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
-        found = self._param_of(tensor)
-        if found is None:
-            return None
-        unit = found[0]
-        # The nodes this block's forwards made (a new one per forward under
-        # parameter mixed precision; see _fsdp1_units), else the flat parameter.
-        return [GradientEdge(node, 0) for node in unit.acc_grads] or [unit.flat_param]
+        return self._inputs.graph_inputs(tensor)
 
     def _param_storages(self) -> set[int]:
-        ptrs = set().union(*(storage_ptrs(u.flat_param) for u in self._units))
-        ptrs.discard(0)
-        return ptrs
+        return self._inputs.storages()
 
     def _select_grads(self, named: list[torch.Tensor]) -> list[Any]:
-        chosen: dict[Unit, set[int]] = {}
-        whole: set[Unit] = set()
-        for tensor in named:
-            unit, index = self._param_of(tensor)
-            if index is None:
-                whole.add(unit)
-            else:
-                chosen.setdefault(unit, set()).add(index)
-        handles = []
-        for unit, indices in chosen.items():
-            if unit not in whole:
-                unit.selected = indices
-                handles.extend(keep_only(unit, indices))
-        return handles
+        return self._inputs.select(named)
 
     def after_backward(self) -> None:
         super().after_backward()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ._common import warn_once
-from ._fsdp1_compat import acc_grad_node, internals, param_segments
+from ._fsdp1_compat import internals
 from ._fsdp1_units import Unit
 
 
@@ -258,24 +258,6 @@ class GradLedger:
             }
             cleared = sorted(set(cleared) | zeroed)
         _zero_saved_shard(handle, cleared)
-
-
-def keep_only(unit: Unit, indices: set[int]) -> list[Any]:
-    """Hooks that zero, in each gradient the pass accumulates into ``unit``, the
-    parts of parameters not in ``indices``; returns their handles. See
-    [Note: inputs that name parameters]: FSDP1 keeps one gradient per unit."""
-    drop = [seg for i, seg in enumerate(param_segments(unit.flat_param)) if i not in indices]
-    if not drop:
-        return []
-
-    def zero_others(grad_outputs: tuple) -> tuple:
-        grad = grad_outputs[0].clone()
-        for start, end in drop:
-            grad[start:end] = 0
-        return (grad,) + tuple(grad_outputs[1:])
-
-    nodes = unit.acc_grads or [acc_grad_node(unit.flat_param)]
-    return [node.register_prehook(zero_others) for node in nodes]
 
 
 def _has_unreduced(unit: Unit) -> bool:

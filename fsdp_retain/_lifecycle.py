@@ -22,30 +22,7 @@ implements only the mechanics of its flavour, the abstract methods below.
   ``torch.autograd.grad`` against ``self.probe_targets`` with ``probing``
   true, then ``_end_probe``. See [Note: probe passes] in ``_common.py``.
 
-[Note: inputs that name parameters]
-``loss.backward(inputs=params)`` and ``torch.autograd.grad(loss, params)``
-name the parameters the user holds: FSDP2's sharded DTensors, FSDP1's
-original parameters (views into the sharded flat parameter). The forward's
-graph never used those tensors but unsharded ones (FSDP2's unsharded
-parameter, FSDP1's flat parameter), so plain FSDP silently computes nothing
-for them (``backward``) or zeros (``autograd.grad``). ``_pass_start`` hands
-the pass's ``inputs`` to ``map_inputs`` before the engine starts:
-- each input the backend maps (``_graph_inputs``: a managed parameter, or the
-  ``GradientEdge`` of one) is replaced by what the graph uses (FSDP2's
-  unsharded parameter; the ``AccumulateGrad`` nodes FSDP1's forwards made for
-  the flat parameter, new per forward under mixed precision), so the
-  pass computes, reduces and shards its gradient as a full pass would and
-  leaves the other parameters alone (``_select_grads``: FSDP1 keeps one
-  gradient per unit and zeroes the parts of its flat gradient that belong to
-  parameters the pass did not name);
-- ``autograd.grad`` (which returns gradients instead of accumulating them)
-  naming a managed parameter is refused before anything runs: the result
-  would be zeros or a local, unreduced gradient;
-- an input that shares storage with a managed parameter but is not one (a
-  slice, ``to_local()``) is refused too: no leaf of the graph stands for it;
-- so is ``inputs=`` over a reentrant activation checkpoint, which torch
-  refuses only midway through the pass.
-``after_backward`` drops what ``_select_grads`` put on the graph.
+Passes with ``inputs=``: see [Note: inputs that name parameters] in ``_inputs.py``.
 """
 
 from __future__ import annotations
@@ -59,7 +36,8 @@ import torch.nn as nn
 from . import _pass_start
 from ._common import ACTIVE_ATTR, RetainError, create_graph_needs_keep
 from ._policy import PassTracker, Policy, RetainOptions
-from ._probe import ProbeTargets, reaches_reentrant_checkpoint, refuse_reentrant_checkpoint
+from ._inputs import map_inputs
+from ._probe import ProbeTargets, refuse_reentrant_checkpoint
 from ._saved_tensors import SavedTensorCheck
 from ._step_guard import refuse_step
 
@@ -83,7 +61,7 @@ class BlockBase(abc.ABC):
         self._deferred_hook: Any = None
         self._saved_check: SavedTensorCheck | None = None
         self._step_hook: Any = None
-        self._selection: list[Any] = []  # see [Note: inputs that name parameters]
+        self._selection: list[Any] = []  # see _inputs.py
 
     # The mechanics of one flavour #
     @abc.abstractmethod
@@ -182,7 +160,7 @@ class BlockBase(abc.ABC):
         ``param_grads=True`` is ``loss.backward(retain_graph=retain_graph,
         inputs=inputs)``: with ``inputs`` (parameters of the model, as
         ``model.parameters()`` gives them) only their gradients are computed,
-        reduced and sharded; see [Note: inputs that name parameters].
+        reduced and sharded; see [Note: inputs that name parameters] in ``_inputs.py``.
         ``param_grads=False`` is a probe pass: hooks on activations and full
         backward hooks on modules inside FSDP units fire with the gradients a
         plain backward gives them, but no parameter gradient is computed, no
@@ -239,40 +217,13 @@ class BlockBase(abc.ABC):
 
     def map_inputs(self, inputs: tuple, accumulate: bool, roots: list) -> tuple:
         """The ``inputs`` of a pass (over the autograd nodes ``roots``), with managed
-        parameters replaced by what the graph uses; see [Note: inputs that name
-        parameters]."""
+        parameters replaced by what the graph uses (``_pass_start``)."""
         if not self._installed or self._exited:
             return inputs
-        mapped: list[Any] = []
-        seen: set[int] = set()
-        named: list[torch.Tensor] = []
-        storages: set[int] | None = None
-        for item in inputs:
-            # A GradientEdge of a leaf stands for the leaf (AccumulateGrad.variable).
-            tensor = getattr(getattr(item, "node", None), "variable", item)
-            graph = self._graph_inputs(tensor) if isinstance(tensor, torch.Tensor) else None
-            if graph is not None:
-                named.append(tensor)
-                for entry in graph:
-                    key = id(getattr(entry, "node", entry))
-                    if key not in seen:
-                        seen.add(key)
-                        mapped.append(entry)
-                continue
-            if isinstance(tensor, torch.Tensor):
-                if storages is None:
-                    storages = self._param_storages()
-                if _storage_ptr(tensor) in storages:
-                    raise RetainError(_UNMAPPABLE_INPUT.format(_describe(tensor)))
-            mapped.append(item)
-        if not named:
-            return inputs
-        if not accumulate:
-            raise RetainError(_GRAD_OF_PARAMS.format(len(named)))
-        if reaches_reentrant_checkpoint(roots):
-            raise ValueError(_INPUTS_OVER_REENTRANT)
-        self._selection.extend(self._select_grads(named))
-        return tuple(mapped)
+        mapped, named = map_inputs(self, inputs, accumulate, roots)
+        if named:
+            self._selection.extend(self._select_grads(named))
+        return mapped
 
     # Entry and exit #
     def enter(self) -> None:
@@ -359,39 +310,3 @@ class BlockBase(abc.ABC):
     def _in_backward(self) -> bool:
         return _pass_start.in_backward()
 
-
-def _storage_ptr(tensor: torch.Tensor) -> int:
-    local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard
-    try:
-        return local.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
-
-
-def _describe(tensor: torch.Tensor) -> str:
-    return f"a {type(tensor).__name__} of shape {tuple(tensor.shape)}"
-
-
-_GRAD_OF_PARAMS = (
-    "torch.autograd.grad(...) inside no_reshard_between_backwards names {} parameter(s) "
-    "of the FSDP model. FSDP's forward used unsharded copies of them, so the result "
-    "would be zeros (or a local, unreduced gradient), never their gradient. Use "
-    "loss.backward(inputs=params, retain_graph=True) (or block.backward(loss, "
-    "inputs=params)), which computes, reduces and shards their gradients into .grad; "
-    "take torch.autograd.grad only with respect to activations."
-)
-_INPUTS_OVER_REENTRANT = (
-    "backward(inputs=...) inside no_reshard_between_backwards reaches a reentrant "
-    "activation checkpoint (torch.utils.checkpoint with use_reentrant=True), which "
-    "refuses inputs= (torch raises midway through the pass, after some gradients were "
-    "written). Use non-reentrant checkpointing (checkpoint(..., use_reentrant=False); in "
-    "HF transformers model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-    "{'use_reentrant': False})), or drop inputs=. Nothing was changed."
-)
-_UNMAPPABLE_INPUT = (
-    "backward/autograd.grad inputs inside no_reshard_between_backwards include {}, which "
-    "shares storage with a parameter of the FSDP model but is not that parameter (a "
-    "slice, a view, to_local()): the forward's graph used an unsharded copy, so its "
-    "gradient would silently be missing or zero. Name the parameter itself (as "
-    "model.parameters() gives it) in inputs=."
-)
