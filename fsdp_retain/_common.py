@@ -3,7 +3,7 @@
 run eagerly under ``torch.compile``).
 
 Nothing here touches private torch or DeepSpeed internals; that lives in the
-backends (``_fsdp1*.py``, ``_fsdp2*.py``, ``_deepspeed.py``) and, for autograd's
+backends (``_fsdp1*.py``, ``_fsdp2*.py``, ``_deepspeed*.py``) and, for autograd's
 engine entry, ``_pass_start.py``. The lifecycle every backend shares is
 ``_lifecycle.py``; what the options mean per pass, ``_policy.py``.
 

@@ -35,15 +35,18 @@ Pass boundaries: ``_pass_start`` runs ``on_backward_start`` before the first
 node of every backward. A forward hook on the engine's module records the
 autograd nodes that tell whether a pass uses the engine: its outputs', the
 ZeRO-3 modules' inputs (the probe targets, see [Note: probe passes]) and the
-parameters' ``AccumulateGrad`` nodes. If the pass runs one of them it starts
-(before ZeRO-3's hooks on the engine output and on the modules) and queues
-the pass-end callback. So a pass may start from any tensor of the forward,
-e.g. an activation inside the model, not only from the engine's output. A pass
-that runs the parameters' ``AccumulateGrad`` nodes (recorded at entry) but none
-of the forwards' nodes runs over a forward from before the block: refused
-(``FORWARD_OUTSIDE``), as on FSDP1. A hook on each engine output of the block
-stays on its graph and refuses a backward that reaches it after the block
-exited (``AFTER_EXIT``): ZeRO-3 released the parameters that graph saved.
+parameters' ``AccumulateGrad`` nodes (those a graph holds, ``held_node``). If
+the pass runs one of them (``runs_in_pass``: also the pass's root, which
+autograd does not report) it starts (before ZeRO-3's hooks on the engine
+output and on the modules) and queues the pass-end callback. So a pass may
+start from any tensor of the forward, e.g. an activation inside the model, not
+only from the engine's output. A pass that runs the parameters'
+``AccumulateGrad`` nodes (recorded at entry) but none of the forwards' nodes
+runs over a forward from before the block: refused (``FORWARD_OUTSIDE``), as
+on FSDP1. A hook on each output of every ZeRO-3 module (the engine's module
+included) of the block's forwards stays on its graph and refuses a backward
+that reaches it after the block exited (``AFTER_EXIT``), also one that starts
+inside the model: ZeRO-3 released the parameters that graph saved.
 
 [Note: the engine's backward prologue in the block]
 DeepSpeed runs ``engine._backward_prologue`` (``optimizer.enter_backward()``,
@@ -75,17 +78,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import get_gradient_edge
 
-from . import _pass_start
-from ._common import (
-    Liveness,
-    RetainError,
-    grad_tensors,
-    loud,
-    queue_callback,
-    require_attr,
-)
+from ._common import Liveness, RetainError, grad_tensors, queue_callback, require_attr
+from ._deepspeed_graph import backward_after_exit, held_node, runs_in_pass
 from ._lifecycle import BlockBase
 from ._policy import RetainOptions
 
@@ -101,14 +96,6 @@ FORWARD_OUTSIDE = (
     "give wrong or unreduced gradients. Run the forward inside the block:\n"
     "    with no_reshard_between_backwards(engine):\n        out = engine(x)\n"
     "        engine.backward(loss1, retain_graph=True)\n        engine.backward(loss2)"
-)
-
-AFTER_EXIT = (
-    "no_reshard_between_backwards: this backward runs over a graph whose forward ran "
-    "inside a no_reshard_between_backwards block on a DeepSpeed engine that has already "
-    "exited. When the block ended, ZeRO-3 released the parameters this graph saved, so "
-    "the pass would fail (The size of tensor a (0) must match ...). Move this backward "
-    "inside the block, before the `with` statement ends (or run a new forward for it)."
 )
 
 FORWARD_AFTER_HELD_PASS = (
@@ -202,7 +189,7 @@ class DeepSpeedBlock(BlockBase):
         self._output_nodes: list[Any] = []
         self._acc_grads: list[Any] = []
         self._acc_recorded = False
-        self._param_nodes: list[tuple[nn.Parameter, Any]] = []
+        self._param_nodes: list[tuple[nn.Parameter, Any]] = []  # node None: see held_node
         self._partitions: dict[int, torch.Tensor] = {}
         self._counters: dict[nn.Module, tuple[int, int]] = {}
         self._reduced = False  # a pass of this block reduce-scattered
@@ -244,6 +231,7 @@ class DeepSpeedBlock(BlockBase):
         for module in self._root.modules():
             if "pre_bwd_fn" in module.__dict__:
                 self._hooks.append(self.probe_targets.hook_unit(module))
+                self._hooks.append(module.register_forward_hook(self._guard_outputs))
         self._hooks.extend(self.probe_targets.hook_sources(self._root))
         self._watch()
 
@@ -299,20 +287,26 @@ class DeepSpeedBlock(BlockBase):
     def _record_nodes(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or self._in_backward():
             return
-        for tensor in grad_tensors(output):
-            if tensor.grad_fn is not None:
-                self._output_nodes.append(tensor.grad_fn)
-                # Stays on the graph, before DeepSpeed's own hooks on the output.
-                tensor.register_hook(functools.partial(_backward_after_exit, self._alive))
+        self._output_nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
         if self._acc_recorded:
             return  # held here, so every later forward's graph uses the same nodes
         self._acc_recorded = True
         for param in self._root.parameters():
             if param.requires_grad:
-                # The node this forward's graph holds (ZeRO-3 swaps only .data).
-                node = param.expand_as(param).grad_fn.next_functions[0][0]
-                self._acc_grads.append(node)
+                # The node this forward's graph holds, if any (ZeRO-3 swaps only .data).
+                node = held_node(param, param.ds_shape, self._flavour)
+                if node is not None:
+                    self._acc_grads.append(node)
                 self._param_nodes.append((param, node))
+
+    def _guard_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook on each ZeRO-3 module: see ``backward_after_exit``. On the
+        engine's outputs it runs before DeepSpeed's own hooks (registered later)."""
+        if not torch.is_grad_enabled() or self._in_backward():
+            return
+        guard = functools.partial(backward_after_exit, self._alive)
+        for tensor in grad_tensors(output):
+            tensor.register_hook(guard)  # lives as long as the graph
 
     def _refuse_forward_after_held(self, engine: Any, args: Any) -> None:
         if self._pending and torch.is_grad_enabled() and not self._in_backward():
@@ -326,7 +320,7 @@ class DeepSpeedBlock(BlockBase):
         ZeRO-3's hook on the engine output runs the engine's backward prologue
         (a no-op in the block, see [Note: the engine's backward prologue in the block]).
         """
-        run = _pass_start.will_run
+        run = runs_in_pass()
         reaches_output = any(map(run, self._output_nodes))
         inputs = (edge.node for edge in self.probe_targets.edges.values())
         if not reaches_output and not any(map(run, inputs)):
@@ -385,10 +379,12 @@ class DeepSpeedBlock(BlockBase):
         """A pass at ``micro_step_id == 0`` copies over the partitions it reaches,
         and later passes add to every partition. Zeroes the ones it does not
         reach, which still hold the previous step's gradient (seen: a first pass
-        from inside the model left the last layer's gradient of the step before)."""
-        run = _pass_start.will_run
+        from inside the model left the last layer's gradient of the step before).
+        A parameter without a held node (``held_node``) is zeroed too: when a
+        checkpoint's recompute reaches it after all, its reduction copies over."""
+        run = runs_in_pass()
         for param, node in self._param_nodes:
-            if not run(node):
+            if node is None or not run(node):
                 partition = self._partitions.get(param.ds_id)
                 if partition is not None:
                     partition.zero_()
@@ -423,29 +419,15 @@ class DeepSpeedBlock(BlockBase):
 
 
 def _nodes_from_before(root: nn.Module, flavour: str) -> list[Any]:
-    """The ``AccumulateGrad`` nodes that a graph from before the block holds.
-
-    A parameter's node lives as long as a graph holds it, and records the
-    parameter's shape when it is made. ZeRO-3 keeps a released parameter's
-    ``.data`` empty, so a node made now has shape 0: not held by any graph,
-    and dropped here (one held would break the block's first forward).
-    """
+    """The ``AccumulateGrad`` nodes that a graph from before the block holds
+    (``held_node``: one made now would break the block's first forward)."""
     found = []
     for param in root.parameters():
-        if not param.requires_grad:
-            continue
-        node = get_gradient_edge(param).node
-        metadata = require_attr(node, "_input_metadata", flavour)
-        if tuple(metadata[0].shape) == tuple(getattr(param, "ds_shape", param.shape)):
-            found.append(node)
+        if param.requires_grad:
+            node = held_node(param, getattr(param, "ds_shape", param.shape), flavour)
+            if node is not None:
+                found.append(node)
     return found
-
-
-@loud
-def _backward_after_exit(alive: Liveness, grad: torch.Tensor) -> None:
-    """Refuses a backward over an engine output of the block after the block exited."""
-    if alive.exited:
-        raise RetainError(AFTER_EXIT)
 
 
 def _prologue_from_output_hook() -> None:

@@ -7,12 +7,21 @@ The cases live in parts, one concern each, registered here in this order:
   after a clean or failed block.
 - ``tests/cases_deepspeed_pass_starts.py``: a first pass from inside the model,
   two forwards in one block, a forward before the block.
+- ``tests/cases_deepspeed_api.py``: HF's ``out.loss`` under gradient accumulation,
+  HF reentrant gradient checkpointing, a pass from inside the model after the block.
 
 ``tests/cases_deepspeed_common.py`` holds what they share (the model, the engine, the
 reference, ``Scenario`` and ``run_parity``, collective counting).
 """
 
-from tests import cases_deepspeed_parity, cases_deepspeed_pass_starts, cases_deepspeed_state
+from tests import (
+    cases_deepspeed_api,
+    cases_deepspeed_parity,
+    cases_deepspeed_pass_starts,
+    cases_deepspeed_state,
+)
 from tests.case_parts import combined
 
-registry = combined(cases_deepspeed_parity, cases_deepspeed_state, cases_deepspeed_pass_starts)
+registry = combined(
+    cases_deepspeed_parity, cases_deepspeed_state, cases_deepspeed_pass_starts, cases_deepspeed_api
+)
