@@ -36,8 +36,8 @@ node of every backward. A forward hook on the engine's module records the
 autograd nodes that tell whether a pass uses the engine: its outputs', the
 ZeRO-3 modules' inputs (the probe targets, see [Note: probe passes]) and the
 parameters' ``AccumulateGrad`` nodes (those a graph holds, ``held_node``). If
-the pass runs one of them (``runs_in_pass``: also the pass's root, which
-autograd does not report) it starts (before ZeRO-3's hooks on the engine
+the pass runs one of them (``_pass_start.will_run``: also the pass's root,
+which autograd does not report) it starts (before ZeRO-3's hooks on the engine
 output and on the modules) and queues the pass-end callback. So a pass may
 start from any tensor of the forward, e.g. an activation inside the model, not
 only from the engine's output. A pass that runs the parameters'
@@ -80,7 +80,8 @@ import torch
 import torch.nn as nn
 
 from ._common import Liveness, RetainError, grad_tensors, queue_callback, require_attr
-from ._deepspeed_graph import backward_after_exit, held_node, runs_in_pass
+from . import _pass_start
+from ._deepspeed_graph import backward_after_exit, held_node
 from ._lifecycle import BlockBase
 from ._policy import RetainOptions
 
@@ -198,6 +199,7 @@ class DeepSpeedBlock(BlockBase):
         self._saved_coalesce: bool | None = None
         self._alive = Liveness()  # shared with the guard hooks on the outputs' graphs
         self._prologue: Any = None  # the engine's _backward_prologue, shadowed in the block
+        self._param_ids: set[int] | None = None  # see _graph_inputs
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -234,6 +236,18 @@ class DeepSpeedBlock(BlockBase):
                 self._hooks.append(module.register_forward_hook(self._guard_outputs))
         self._hooks.extend(self.probe_targets.hook_sources(self._root))
         self._watch()
+
+    def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
+        # ZeRO-3 gathers into the parameter itself: it is the graph's leaf. See
+        # [Note: inputs that name parameters] in _inputs.py.
+        if self._param_ids is None:
+            self._param_ids = {id(p) for p in self._root.parameters()}
+        return [tensor] if id(tensor) in self._param_ids else None
+
+    def _select_grads(self, named: list[torch.Tensor]) -> list[Any]:
+        # Seen: with keep_unsharded=True the next pass fails in ZeRO-3's coordinator
+        # ("active_backward_submodules is empty"), after gradients were written.
+        raise RetainError(_INPUTS_REFUSED)
 
     def _uninstall(self) -> None:
         self._alive.exited = True
@@ -320,7 +334,7 @@ class DeepSpeedBlock(BlockBase):
         ZeRO-3's hook on the engine output runs the engine's backward prologue
         (a no-op in the block, see [Note: the engine's backward prologue in the block]).
         """
-        run = runs_in_pass()
+        run = _pass_start.will_run
         reaches_output = any(map(run, self._output_nodes))
         inputs = (edge.node for edge in self.probe_targets.edges.values())
         if not reaches_output and not any(map(run, inputs)):
@@ -382,7 +396,7 @@ class DeepSpeedBlock(BlockBase):
         from inside the model left the last layer's gradient of the step before).
         A parameter without a held node (``held_node``) is zeroed too: when a
         checkpoint's recompute reaches it after all, its reduction copies over."""
-        run = runs_in_pass()
+        run = _pass_start.will_run
         for param, node in self._param_nodes:
             if node is None or not run(node):
                 partition = self._partitions.get(param.ds_id)
@@ -450,3 +464,12 @@ def _step_inside_block(*args: Any, **kwargs: Any) -> None:
 
 def _keep_gathered(param: Any, free_data: bool = True) -> None:
     """Stands in for the coordinator's release while ``keep_unsharded=True``."""
+
+
+_INPUTS_REFUSED = (
+    "loss.backward(inputs=<parameters>) inside no_reshard_between_backwards on a DeepSpeed "
+    "ZeRO-3 engine is not supported: ZeRO-3's module hooks expect every module's backward "
+    "to run, and a later pass over the same forward fails inside DeepSpeed after "
+    "gradients were written. Run the pass without inputs= (FSDP1 and FSDP2 support it). "
+    "Nothing was changed."
+)

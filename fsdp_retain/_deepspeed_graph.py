@@ -1,5 +1,5 @@
-"""The autograd side of the DeepSpeed ZeRO-3 backend: which recorded nodes a pass
-runs, the parameters' ``AccumulateGrad`` nodes, and the guard left on the graphs.
+"""The autograd side of the DeepSpeed ZeRO-3 backend: the parameters'
+``AccumulateGrad`` nodes, and the guard left on the graphs.
 
 Part of the DeepSpeed backend with ``_deepspeed.py``, which holds every access
 to DeepSpeed itself; this module sees only tensors, parameters and autograd
@@ -8,13 +8,11 @@ nodes (autograd-private calls as in ``_pass_start.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from . import _pass_start
 from ._common import Liveness, RetainError, loud, require_attr
 
 AFTER_EXIT = (
@@ -24,24 +22,6 @@ AFTER_EXIT = (
     "the pass would fail (The size of tensor a (0) must match ...). Move this backward "
     "inside the block, before the `with` statement ends (or run a new forward for it)."
 )
-
-
-def runs_in_pass() -> Callable[[Any], bool]:
-    """``_pass_start.will_run`` for the running pass, also true for its root.
-
-    Call only from ``on_backward_start``. The engine leaves the root of a
-    single-root backward (``loss.backward()``) out of the nodes it reports:
-    ``torch._C._will_engine_execute_node`` is False for it. The block's pass
-    start runs in that root's pre-hook, so the root is the node running now
-    (seen: HF's ``out.loss`` is an engine output whose node is that root and
-    nothing else, so ``out.loss.backward()`` seemed not to reach the output).
-    """
-    current = getattr(torch._C, "_current_autograd_node", None)
-    root = current() if current is not None else None
-    will_run = _pass_start.will_run
-    if root is None:
-        return will_run
-    return lambda node: node is root or will_run(node)
 
 
 def held_node(param: torch.nn.Parameter, shape: tuple[int, ...], flavour: str) -> Any:

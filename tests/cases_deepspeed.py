@@ -9,6 +9,8 @@ The cases live in parts, one concern each, registered here in this order:
   two forwards in one block, a forward before the block.
 - ``tests/cases_deepspeed_api.py``: HF's ``out.loss`` under gradient accumulation,
   HF reentrant gradient checkpointing, a pass from inside the model after the block.
+- ``tests/cases_deepspeed_inputs.py``: ``backward(inputs=)`` and ``autograd.grad``
+  naming parameters.
 
 ``tests/cases_deepspeed_common.py`` holds what they share (the model, the engine, the
 reference, ``Scenario`` and ``run_parity``, collective counting).
@@ -16,6 +18,7 @@ reference, ``Scenario`` and ``run_parity``, collective counting).
 
 from tests import (
     cases_deepspeed_api,
+    cases_deepspeed_inputs,
     cases_deepspeed_parity,
     cases_deepspeed_pass_starts,
     cases_deepspeed_state,
@@ -23,5 +26,9 @@ from tests import (
 from tests.case_parts import combined
 
 registry = combined(
-    cases_deepspeed_parity, cases_deepspeed_state, cases_deepspeed_pass_starts, cases_deepspeed_api
+    cases_deepspeed_parity,
+    cases_deepspeed_state,
+    cases_deepspeed_pass_starts,
+    cases_deepspeed_api,
+    cases_deepspeed_inputs,
 )
