@@ -102,5 +102,5 @@ for version in "$@"; do
     rm -rf "$venv" "$constraints"
   fi
 done
-[ "${MATRIX_RECORD:-1}" = 1 ] && echo "wrote docs/compat.md"
+[ "${MATRIX_RECORD:-1}" = 1 ] && [ "$install_only" = 0 ] && echo "wrote docs/compat.md"
 exit $status
