@@ -4,10 +4,11 @@
 The parts, registered here in this order: ``tests/cases_api_inputs.py``
 (``backward(inputs=)`` and ``autograd.grad`` naming parameters, on the repository's
 MLP), ``tests/cases_api_inputs_hf.py`` (the same on HF Qwen2 with peft LoRA and
-gradient checkpointing).
+gradient checkpointing), ``tests/cases_api_roots.py`` (a pass whose root is a
+unit's own output).
 """
 
-from tests import cases_api_inputs, cases_api_inputs_hf
+from tests import cases_api_inputs, cases_api_inputs_hf, cases_api_roots
 from tests.case_parts import combined
 
-registry = combined(cases_api_inputs, cases_api_inputs_hf)
+registry = combined(cases_api_inputs, cases_api_inputs_hf, cases_api_roots)
