@@ -166,6 +166,12 @@ class GradLedger:
         for state in self.states:
             state.training_state = fsdp.TrainingState.FORWARD_BACKWARD
         for unit in self.units:
+            # No pass follows (``rearm`` set this for a next one): FSDP's hook
+            # must not prefetch a unit (BackwardPrefetch.BACKWARD_POST), which
+            # would all-gather it for nothing and, with use_orig_params=True,
+            # read the views that the hook dropped for a unit flushed before.
+            unit.handle._needs_pre_backward_unshard = False
+        for unit in self.units:
             flat_param = unit.flat_param
             if _has_unreduced(unit):
                 unit.handle._training_state = self._phase.BACKWARD_PRE
