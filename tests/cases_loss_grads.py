@@ -6,8 +6,8 @@ The reference is the one-process method on an unsharded copy: each loss's gradie
 by ``torch.autograd.grad``, averaged over ranks (what FSDP's reduction gives), their
 Gramian, the method's weights from it, the weighted sum as ``.grad``, an SGD-momentum
 step. Over 3 steps the Gramian, the weights and the parameters match it. Methods:
-PCGrad (pairwise projections, written on the k x k Gramian) and an inverse-norm
-weighting. FSDP2 (``keep_unsharded`` True, False, a budget), FSDP1 FULL_SHARD (flat
+PCGrad (pairwise projections, written on the k x k Gramian), an inverse-norm
+weighting and torchjd's UPGrad (Jacobian descent; its Gramian weighting, unchanged). FSDP2 (``keep_unsharded`` True, False, a budget), FSDP1 FULL_SHARD (flat
 and original parameters), SHARD_GRAD_OP, NO_SHARD.
 
 Also: ``.grad`` is left as it was (a normal pass before ``block.grads`` keeps its
@@ -53,7 +53,13 @@ def inverse_norm_weights(gram: torch.Tensor) -> torch.Tensor:
     return (1.0 / norms) / (1.0 / norms).sum()
 
 
-METHODS = {"pcgrad": pcgrad_weights, "inverse_norm": inverse_norm_weights}
+def upgrad_weights(gram: torch.Tensor) -> torch.Tensor:
+    from torchjd.aggregation import UPGrad  # the mtl extra
+
+    return UPGrad().gramian_weighting(gram)
+
+
+METHODS = {"pcgrad": pcgrad_weights, "inverse_norm": inverse_norm_weights, "upgrad": upgrad_weights}
 
 
 def _reference_step(ref, opt, x, method) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,19 +1,24 @@
-"""PCGrad under FSDP: one gradient per loss from one forward, combined before the step.
+"""Multi-objective training under FSDP: one gradient per loss from one forward,
+combined before the step.
 
 Run (2 processes; CPU with gloo, or one GPU per process with NCCL if CUDA is there):
 
-    torchrun --nproc_per_node 2 examples/pcgrad.py            # FSDP2 (fully_shard)
-    torchrun --nproc_per_node 2 examples/pcgrad.py --fsdp 1   # FSDP1 (FullyShardedDataParallel)
+    torchrun --nproc_per_node 2 examples/multi_objective.py                    # PCGrad, FSDP2
+    torchrun --nproc_per_node 2 examples/multi_objective.py --fsdp 1           # PCGrad, FSDP1
+    torchrun --nproc_per_node 2 examples/multi_objective.py --method upgrad    # torchjd's UPGrad
+    torchrun --nproc_per_node 2 examples/multi_objective.py --method norms     # log, then sum
 
-A shared trunk with three task heads; PCGrad (Yu et al. 2020) projects each task's
-gradient off the others it conflicts with, then sums them. It needs each task's
-gradient separately, so without this library each task gets its own forward and
-backward, its gradient copied out of ``.grad``. With ``block.grads(loss)`` one
-forward serves every task: each pass is reduced and sharded as usual (one
-reduce-scatter per unit), and the projections run on the k x k Gramian of the
-task gradients (one all-reduce), the same on every rank. The script trains both
-ways side by side, prints how far apart their parameters end up (float rounding;
-it exits non-zero otherwise) and the step-time ratio.
+A shared trunk with three task heads. Every method here needs each task's gradient
+separately: PCGrad (Yu et al. 2020) projects each task's gradient off the others it
+conflicts with, then sums them; torchjd's UPGrad (Jacobian descent; ``pip install
+'.[mtl]'``) weights them by a quadratic program on their Gramian; ``norms`` only logs
+how much each task pulls (each gradient's norm) and sums them. Without this library
+each task gets its own forward and backward, its gradient copied out of ``.grad``.
+With ``block.grads(loss)`` one forward serves every task: each pass is reduced and
+sharded as usual (one reduce-scatter per unit), and the method runs on the k x k
+Gramian of the task gradients (one all-reduce), the same on every rank. The script
+trains both ways side by side, prints how far apart their parameters end up (float
+rounding; it exits non-zero otherwise) and the step-time ratio.
 """
 
 import argparse
@@ -73,6 +78,19 @@ def pcgrad_weights(gram: torch.Tensor) -> torch.Tensor:
     return coeffs.sum(0)
 
 
+def upgrad_weights(gram: torch.Tensor) -> torch.Tensor:
+    from torchjd.aggregation import UPGrad  # pip install '.[mtl]'
+
+    return UPGrad().gramian_weighting(gram)
+
+
+def sum_weights(gram: torch.Tensor) -> torch.Tensor:
+    return torch.ones(gram.shape[0], dtype=gram.dtype, device=gram.device)
+
+
+METHODS = {"pcgrad": pcgrad_weights, "upgrad": upgrad_weights, "norms": sum_weights}
+
+
 def shard_fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -97,7 +115,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def step_k_forwards(model, optimizer, x, targets) -> None:
+def step_k_forwards(model, optimizer, x, targets, method) -> list[float]:
     """Without the library: a forward and a backward per task, each gradient copied out."""
     params = list(model.parameters())
     grads = []
@@ -108,29 +126,32 @@ def step_k_forwards(model, optimizer, x, targets) -> None:
     flat = [torch.cat([local(g).reshape(-1) for g in gs if g is not None]).double() for gs in grads]
     gram = torch.stack(flat) @ torch.stack(flat).T
     dist.all_reduce(gram)  # the shards partition the model: their Gramians add up
-    weights = pcgrad_weights(gram)
+    weights = method(gram)
     for p, *gs in zip(params, *grads):
         present = [(float(w), g) for w, g in zip(weights, gs) if g is not None]
         if present:
             p.grad = sum(w * g for w, g in present)
     optimizer.step()
     optimizer.zero_grad()
+    return gram.diagonal().sqrt().tolist()
 
 
-def step_one_forward(model, optimizer, x, targets) -> None:
+def step_one_forward(model, optimizer, x, targets, method) -> list[float]:
     # New code #
     with no_reshard_between_backwards(model) as block:
         losses = task_losses(model(x), targets)  # one forward for every task
         grads = [block.grads(loss, retain_graph=True) for loss in losses]
-        weights = pcgrad_weights(fsdp_retain.gramian(grads))  # k x k, one all-reduce
-        fsdp_retain.apply_grads(fsdp_retain.combine(grads, weights))
+        gram = fsdp_retain.gramian(grads)  # k x k, one all-reduce
+        fsdp_retain.apply_grads(fsdp_retain.combine(grads, method(gram)))
     optimizer.step()
     optimizer.zero_grad()
+    return gram.diagonal().sqrt().tolist()  # each task's gradient norm
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fsdp", type=int, choices=(1, 2), default=2)
+    parser.add_argument("--method", choices=sorted(METHODS), default="pcgrad")
     parser.add_argument("--tasks", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
@@ -160,6 +181,8 @@ def main() -> None:
         name: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for name, m in models.items()
     }
     times: dict[str, list[float]] = {name: [] for name in models}
+    norms: dict[str, list[float]] = {name: [] for name in models}
+    method = METHODS[args.method]
     gen = torch.Generator().manual_seed(1 + rank)
     for step in range(args.steps):
         x = torch.randn(batch, dim, generator=gen).to(device)
@@ -168,7 +191,7 @@ def main() -> None:
             if on_gpu:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            steps[name](models[name], optimizers[name], x, targets)
+            norms[name] = steps[name](models[name], optimizers[name], x, targets, method)
             if on_gpu:
                 torch.cuda.synchronize()
             if step >= args.warmup:
@@ -184,8 +207,10 @@ def main() -> None:
     if rank == 0:
         print(
             f"FSDP{args.fsdp}, {dist.get_world_size()} ranks, {device.type}, {args.tasks} tasks, "
-            f"{args.layers} blocks of dim {dim}, batch {batch}/rank, {args.steps} PCGrad steps"
+            f"{args.layers} blocks of dim {dim}, batch {batch}/rank, {args.steps} "
+            f"{args.method} steps"
         )
+        print("last step's task gradient norms: " + ", ".join(f"{n:.4g}" for n in norms["one_forward"]))
         print(f"max |param difference| vs {args.tasks} forwards: {max_diff.item():.3g}")
         print(
             f"median step: {args.tasks} forwards {t_old * 1e3:.1f} ms, one forward "
