@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from ._common import ACTIVE_ATTR, first_wrapped_submodule
 from ._lifecycle import BlockBase
+from ._loss_grads import LossGrads
 from ._policy import RetainOptions
 
 SyncGrads = Literal["every", "last"]
@@ -65,6 +66,13 @@ class RetainBlock(Protocol):
         computed, reduced and sharded); with ``False`` a probe pass that only
         feeds hooks on activations (no parameter gradient, no ``.grad`` change,
         nothing reduced; no ``inputs``)."""
+        ...
+
+
+    def grads(self, loss: torch.Tensor, *, retain_graph: bool | None = None) -> LossGrads:
+        """One backward pass of ``loss`` whose reduced, sharded gradients come back
+        (a ``LossGrads``) instead of adding to ``.grad``: the sharded counterpart of
+        ``torch.autograd.grad(loss, model.parameters())`` (FSDP1 and FSDP2)."""
         ...
 
 

@@ -348,6 +348,25 @@ class FSDP1Block(BlockBase):
         else:
             self._ledger.forget_sentinels()
 
+    # Per-loss gradients: see [Note: per-loss gradients] in _loss_grads.py #
+    def _grad_holders(self) -> tuple[list[torch.Tensor], Any, bool]:
+        if not all(s for _, s in self._saved_sync):
+            raise ValueError(_GRADS_NEED_SYNC)
+        handles = [u.handle for u in self._units]
+        sharded = {h.uses_sharded_strategy for h in handles}
+        groups = {h.process_group for h in handles}
+        if len(sharded) != 1 or len(groups) != 1:
+            raise ValueError(
+                "block.grads() needs every FSDP1 unit of one sharding strategy and "
+                "process group: not supported yet for mixed units."
+            )
+        return [u.flat_param for u in self._units], groups.pop(), sharded.pop()
+
+    def _grads_changed(self) -> None:
+        for unit in self._units:
+            if unit.handle._use_orig_params:
+                unit.handle._use_sharded_grad_views()
+
     # Passes with inputs=: see [Note: inputs that name parameters] in _inputs.py #
     def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
         return self._inputs.graph_inputs(tensor)
@@ -395,6 +414,10 @@ class FSDP1Block(BlockBase):
         self._ledger.forget_sentinels()
 
 
+_GRADS_NEED_SYNC = (
+    "block.grads() needs each pass reduced: this model is inside FSDP1's no_sync(). "
+    "Call it outside gradient accumulation, or leave no_sync() for this micro-batch."
+)
 _NO_OFFLOAD = (
     "no_reshard_between_backwards does not support FSDP1 with "
     "CPUOffload(offload_params=True): its gradients live in a CPU copy that FSDP1 "

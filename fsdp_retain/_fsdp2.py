@@ -60,6 +60,7 @@ from ._fsdp2_compat import (
     param_groups,
     reset_iteration,
     run_root_final_callback,
+    shard_group,
     training_state_enum,
 )
 from ._fsdp2_grads import HeldGrads
@@ -236,6 +237,20 @@ class FSDP2Block(BlockBase):
         ptrs.discard(0)
         return ptrs
 
+    # Per-loss gradients: see [Note: per-loss gradients] in _loss_grads.py #
+    def _grad_holders(self) -> tuple[list[torch.Tensor], Any, bool]:
+        if not all(saved["reduce_grads"] for _, saved in self._saved_groups):
+            raise ValueError(_GRADS_NEED_SYNC)
+        holders = [fp.sharded_param for g in self._groups for fp in g.fsdp_params]
+        groups = {shard_group(p) for p in holders}
+        if len(groups) != 1:
+            raise ValueError(
+                "block.grads() needs every parameter sharded over one data-parallel "
+                "group (1-D FSDP2 or HSDP); this model's parameters are sharded over "
+                f"{len(groups)} (e.g. with tensor parallelism): not supported yet."
+            )
+        return holders, groups.pop(), True
+
     # Pass boundaries #
     def on_backward_start(self) -> None:
         """Inside every backward, before its first node runs (see ``_pass_start``)."""
@@ -344,3 +359,8 @@ class FSDP2Block(BlockBase):
         run_root_final_callback(self._state)
 
 
+_GRADS_NEED_SYNC = (
+    "block.grads() needs each pass reduced: this model has gradient sync off "
+    "(set_requires_gradient_sync(False)). Call it outside gradient accumulation, or "
+    "turn sync on for this micro-batch."
+)

@@ -168,3 +168,12 @@ def has_pending_grad(fsdp_param: Any) -> bool:
     )
 
 
+def shard_group(param: Any) -> Any:
+    """The process group whose ranks hold disjoint shards of ``param`` (a DTensor):
+    its mesh dimension placed ``Shard``; ``None`` when more than one is (TP)."""
+    from torch.distributed.tensor import Shard
+
+    dims = [i for i, p in enumerate(param.placements) if isinstance(p, Shard)]
+    if len(dims) != 1:
+        return None
+    return param.device_mesh.get_group(dims[0])

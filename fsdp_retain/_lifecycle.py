@@ -37,6 +37,7 @@ from . import _pass_start
 from ._common import ACTIVE_ATTR, RetainError, create_graph_needs_keep
 from ._policy import PassTracker, Policy, RetainOptions
 from ._inputs import map_inputs
+from ._loss_grads import LossGrads
 from ._probe import ProbeTargets, refuse_reentrant_checkpoint
 from ._saved_tensors import SavedTensorCheck
 from ._step_guard import refuse_step
@@ -224,6 +225,57 @@ class BlockBase(abc.ABC):
         if named:
             self._selection.extend(self._select_grads(named))
         return mapped
+
+    def grads(self, loss: torch.Tensor, *, retain_graph: bool | None = None) -> LossGrads:
+        """One backward pass of ``loss`` whose reduced, sharded gradients come back
+        instead of adding to ``.grad`` (left as it was): the sharded counterpart of
+        ``torch.autograd.grad(loss, model.parameters())``, one reduce-scatter per
+        unit. See [Note: per-loss gradients] in ``_loss_grads.py``.
+
+        Example::
+
+            with no_reshard_between_backwards(model) as block:
+                out = model(batch)
+                grads = [block.grads(f(out), retain_graph=True) for f in losses]
+                weights = my_weighting(fsdp_retain.gramian(grads))  # k x k, one all-reduce
+                fsdp_retain.apply_grads(fsdp_retain.combine(grads, weights))
+            optimizer.step()
+        """
+        if self._exited:
+            raise RetainError(
+                "block.grads() was called after its no_reshard_between_backwards block "
+                "exited. Call it inside the `with` statement."
+            )
+        if self.policy.holds_back:
+            raise ValueError(
+                "block.grads() reduces each loss's gradients in its own pass, so it needs "
+                "sync_grads='every' (the default); this block has sync_grads='last'."
+            )
+        holders, group, sharded = self._grad_holders()
+        saved = [h.grad for h in holders]
+        for holder in holders:
+            holder.grad = None
+        self._grads_changed()
+        try:
+            loss.backward(retain_graph=retain_graph)
+            values = [h.grad for h in holders]
+        finally:
+            for holder, grad in zip(holders, saved):
+                holder.grad = grad
+            self._grads_changed()
+        return LossGrads(holders, values, group, sharded, refresh=self._grads_changed)
+
+    def _grad_holders(self) -> tuple[list[torch.Tensor], Any, bool]:
+        """``(tensors whose .grad the optimizer reads, the group whose ranks hold
+        disjoint shards, whether they are shards)`` for ``grads``; raises where a
+        pass does not reduce."""
+        raise ValueError(
+            f"block.grads() is not supported on this backend ({type(self).__name__}); "
+            "FSDP1 and FSDP2 support it."
+        )
+
+    def _grads_changed(self) -> None:
+        """After ``.grad`` of the holders was set from outside FSDP."""
 
     # Entry and exit #
     def enter(self) -> None:

@@ -11,6 +11,9 @@ all-gathers, so agreement alone would not show that the block did anything).
 
 - quickstart.py, FSDP2 and FSDP1: parameters and the first loss's gradient norm
   match the two-forward way; one all-gather per FSDP unit per step.
+- multi_objective.py, FSDP2 and FSDP1: PCGrad (and torchjd's UPGrad on FSDP2) over
+  3 tasks with ``block.grads`` and one forward matches a forward per task; one reduce-scatter per unit per task and
+  one all-reduce (the Gramian) per step.
 - accelerate/train.py with fsdp2.yaml and fsdp1.yaml, through
   ``tests/accelerate_cpu_fsdp.py`` (accelerate's FSDP setup on CPU; see its
   docstring): accelerate really wrapped the model (FSDP version, device, wrapper
@@ -113,6 +116,24 @@ def test_quickstart(fsdp):
     # keep_unsharded=True, sync_grads="every", 2 passes: U all-gathers, 2U reduce-scatters,
     # and the all-reduce of the gradient norm the example takes between the passes.
     expected = {"passes": 2, "all_gather": units, "reduce_scatter": 2 * units, "all_reduce": 1}
+    assert _blocks(out) == [expected] * steps
+
+
+@pytest.mark.parametrize("fsdp, method", [(2, "pcgrad"), (1, "pcgrad"), (2, "upgrad")])
+def test_multi_objective(fsdp, method):
+    """multi_objective.py --fsdp {2,1} --method {pcgrad,upgrad} (4 blocks + root, 3
+    tasks), 2 CPU ranks: one forward with block.grads per task == a forward per task."""
+    if method == "upgrad":
+        pytest.importorskip("torchjd", reason="the mtl extra (in the test extra)")
+    steps, units, tasks = 4, 4 + 1, 3
+    args = ["--fsdp", str(fsdp), "--steps", str(steps), "--warmup", "1", "--method", method]
+    out = _check_ok(_torchrun("multi_objective.py", *args))
+    assert f"FSDP{fsdp}, 2 ranks, cpu, {tasks} tasks" in out
+    assert _number(r"max \|param difference\| vs 3 forwards: (\S+)", out) <= 1e-4
+    # keep_unsharded=True: U all-gathers; one reduce-scatter per unit per task; the
+    # Gramian's one all-reduce.
+    expected = {"passes": tasks, "all_gather": units, "reduce_scatter": tasks * units,
+                "all_reduce": 1}
     assert _blocks(out) == [expected] * steps
 
 

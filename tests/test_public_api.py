@@ -19,8 +19,10 @@ from tests.harness import ROOT, run_retrying_exit_abort, timeout_scale
 
 
 def test_exports():
-    assert sorted(fsdp_retain.__all__) == ["RetainBlock", "SyncGrads",
-                                           "no_reshard_between_backwards"]
+    assert sorted(fsdp_retain.__all__) == [
+        "LossGrads", "RetainBlock", "SyncGrads", "apply_grads", "combine", "gramian",
+        "no_reshard_between_backwards",
+    ]
     assert not hasattr(fsdp_retain, "RetainOptions")
     assert (ROOT / "fsdp_retain" / "py.typed").exists()
 
