@@ -168,3 +168,8 @@ def has_pending_grad(fsdp_param: Any) -> bool:
     )
 
 
+def local_storage(param: Any) -> Any:
+    """The storage that holds ``param``'s data on this rank: a DTensor's (tensor
+    parallelism composed with FSDP2) is its local tensor's; the wrapper's own
+    storage is a placeholder that never frees."""
+    return getattr(param, "_local_tensor", param).untyped_storage()
