@@ -57,6 +57,7 @@ from ._fsdp2_compat import (
     PASS_START_HOOK,
     check_installable,
     clear_unsharded_grad,
+    local_storage,
     param_groups,
     reset_iteration,
     run_root_final_callback,
@@ -183,7 +184,7 @@ class FSDP2Block(BlockBase):
         if self._pending_unreduced:
             self._flush_gradients()
         self._held.drop_unused()
-        self._reshard_all()
+        self._reshard_all(user_flags=True)
         self._state._comm_ctx.post_forward_order.clear()
         for group in self._groups:
             group._post_forward_indices.clear()
@@ -197,9 +198,18 @@ class FSDP2Block(BlockBase):
         self._held.drop_unused()
         self._reshard_all()
 
-    def _reshard_all(self) -> None:
+    def _reshard_all(self, user_flags: bool = False) -> None:
+        """Reshards every group; with ``user_flags`` (a clean exit) not those whose
+        owner set ``reshard_after_backward=False`` (``set_reshard_after_backward``:
+        kept gathered across micro-batches), which show their unsharded parameters
+        as after a plain backward."""
         state_enum = training_state_enum()
-        for group in self._groups:
+        for group, saved in self._saved_groups:
+            if user_flags and not saved["reshard_after_backward"] and group.is_unsharded:
+                if id(group) in self._swapped:
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param._setattr_on_modules(fsdp_param._unsharded_param)
+                continue
             if not group.is_sharded:
                 with group.use_training_state(state_enum.IDLE):
                     group.reshard()
@@ -229,11 +239,10 @@ class FSDP2Block(BlockBase):
         ptrs = set()
         for group in self._groups:
             for fsdp_param in group.fsdp_params:
-                local = fsdp_param.sharded_param._local_tensor
-                ptrs.add(local.untyped_storage().data_ptr())
+                ptrs.add(local_storage(fsdp_param.sharded_param).data_ptr())
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
                 if unsharded is not None:
-                    ptrs.add(unsharded.untyped_storage().data_ptr())
+                    ptrs.add(local_storage(unsharded).data_ptr())
         ptrs.discard(0)
         return ptrs
 
@@ -243,7 +252,7 @@ class FSDP2Block(BlockBase):
             raise ValueError(_GRADS_NEED_SYNC)
         holders = [fp.sharded_param for g in self._groups for fp in g.fsdp_params]
         groups = {shard_group(p) for p in holders}
-        if len(groups) != 1:
+        if len(groups) != 1 or None in groups:
             raise ValueError(
                 "block.grads() needs every parameter sharded over one data-parallel "
                 "group (1-D FSDP2 or HSDP); this model's parameters are sharded over "
@@ -300,7 +309,8 @@ class FSDP2Block(BlockBase):
             self._held.check()
         if policy.is_last(index):
             for group, saved in self._saved_groups:
-                group.reshard_after_backward = True
+                # The last pass frees what the user lets FSDP2 free after backward.
+                group.reshard_after_backward = saved["reshard_after_backward"]
                 if policy.holds_back:
                     group.reduce_grads = saved["reduce_grads"]
                     group.all_reduce_grads = saved["all_reduce_grads"]
@@ -350,7 +360,7 @@ class FSDP2Block(BlockBase):
         for group, saved in self._saved_groups:
             group.reduce_grads = saved["reduce_grads"]
             group.all_reduce_grads = saved["all_reduce_grads"]
-            group.reshard_after_backward = True
+            group.reshard_after_backward = saved["reshard_after_backward"]
         self._pending_unreduced = False
         if not any(saved["reduce_grads"] for _, saved in self._saved_groups):
             return  # the user asked FSDP2 not to sync (gradient accumulation)

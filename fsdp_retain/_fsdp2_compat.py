@@ -177,3 +177,10 @@ def shard_group(param: Any) -> Any:
     if len(dims) != 1:
         return None
     return param.device_mesh.get_group(dims[0])
+
+
+def local_storage(param: Any) -> Any:
+    """The storage that holds ``param``'s data on this rank: a DTensor's (tensor
+    parallelism composed with FSDP2) is its local tensor's; the wrapper's own
+    storage is a placeholder that never frees."""
+    return getattr(param, "_local_tensor", param).untyped_storage()

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from . import _pass_start
 from ._common import compiling, grad_tensors, require_attr
-from ._fsdp2_compat import FLAVOUR, param_groups
+from ._fsdp2_compat import FLAVOUR, local_storage, param_groups
 
 
 class ForwardNodes:
@@ -67,7 +67,7 @@ class ForwardNodes:
         for group in param_groups(state):
             for fsdp_param in group.fsdp_params:
                 param = require_attr(fsdp_param, "unsharded_param", FLAVOUR)
-                if param.requires_grad and param.untyped_storage().nbytes() > 0:
+                if param.requires_grad and local_storage(param).nbytes() > 0:
                     # The AccumulateGrad node this forward's graph uses. Units
                     # resharded after forward are found by their inputs instead.
                     with torch.enable_grad():

@@ -5,10 +5,18 @@ The parts, registered here in this order: ``tests/cases_api_inputs.py``
 (``backward(inputs=)`` and ``autograd.grad`` naming parameters, on the repository's
 MLP), ``tests/cases_api_inputs_hf.py`` (the same on HF Qwen2 with peft LoRA and
 gradient checkpointing), ``tests/cases_api_roots.py`` (a pass whose root is a
-unit's own output).
+unit's own output), ``tests/cases_api_fsdp2_mesh.py`` (FSDP2 with tensor
+parallelism at world size 4; the user's ``set_reshard_after_backward``).
 """
 
-from tests import cases_api_inputs, cases_api_inputs_hf, cases_api_roots
+from tests import (
+    cases_api_fsdp2_mesh,
+    cases_api_inputs,
+    cases_api_inputs_hf,
+    cases_api_roots,
+)
 from tests.case_parts import combined
 
-registry = combined(cases_api_inputs, cases_api_inputs_hf, cases_api_roots)
+registry = combined(
+    cases_api_inputs, cases_api_inputs_hf, cases_api_roots, cases_api_fsdp2_mesh
+)
