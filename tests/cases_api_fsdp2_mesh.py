@@ -223,3 +223,21 @@ for _name, _options, _expected in (
         f"user_reshard_after_backward_false_{_name}",
         lambda o=_options, e=_expected: _accumulation_recipe(o, e),
     )
+
+
+@registry.case(world_sizes=(4,))
+def fsdp2_tp_block_grads_refused() -> None:
+    """``block.grads`` needs the shards of one mesh dimension (a Gramian over TP
+    shards and replicas would count some twice): refused, naming why; the step goes on."""
+    model, _, mesh = _tp_fsdp(False)
+    x, _ = _dp_batch(mesh, 0)
+    with no_reshard_between_backwards(model) as block:
+        out = model(x)
+        try:
+            block.grads(LOSSES[0](out), retain_graph=True)
+        except ValueError as e:
+            assert "tensor parallelism" in str(e), e
+        else:
+            raise AssertionError("block.grads ran over TP-sharded parameters")
+        assert block.backward_passes == 0
+        LOSSES[1](out).backward()
