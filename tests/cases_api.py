@@ -5,18 +5,23 @@ The parts, registered here in this order: ``tests/cases_api_inputs.py``
 (``backward(inputs=)`` and ``autograd.grad`` naming parameters, on the repository's
 MLP), ``tests/cases_api_inputs_hf.py`` (the same on HF Qwen2 with peft LoRA and
 gradient checkpointing), ``tests/cases_api_roots.py`` (a pass whose root is a
-unit's own output), ``tests/cases_api_fsdp2_mesh.py`` (FSDP2 with tensor
-parallelism at world size 4; the user's ``set_reshard_after_backward``).
+unit's own output),
+``tests/cases_api_surface.py`` (``backward(gradient=)``, ``autograd.grad`` on
+activations, explicit prefetch, meta-device init, checkpoints between steps, a
+``no_grad`` forward between passes, several heads over one trunk).
 """
 
 from tests import (
-    cases_api_fsdp2_mesh,
     cases_api_inputs,
     cases_api_inputs_hf,
     cases_api_roots,
+    cases_api_surface,
 )
 from tests.case_parts import combined
 
 registry = combined(
-    cases_api_inputs, cases_api_inputs_hf, cases_api_roots, cases_api_fsdp2_mesh
+    cases_api_inputs,
+    cases_api_inputs_hf,
+    cases_api_roots,
+    cases_api_surface,
 )

@@ -7,11 +7,16 @@ stacks do next to ``no_reshard_between_backwards`` rather than through its optio
   (tests/cases_api_inputs.py); on HF Qwen2 with peft LoRA and gradient
   checkpointing (tests/cases_api_inputs_hf.py); a pass whose root is a unit's own
   output (tests/cases_api_roots.py).
-- FSDP2 with tensor parallelism on a 2 x 2 mesh, every option, probe passes, loss
-  parallel (world size 4); the user's ``set_reshard_after_backward(False)`` across
-  micro-batches (tests/cases_api_fsdp2_mesh.py).
+- ``backward(gradient=)``, ``autograd.grad`` on activations, FSDP2 explicit
+  prefetch, meta-device init, state dicts and a distributed checkpoint between steps,
+  a ``no_grad`` forward between passes, several heads over one trunk
+  (tests/cases_api_surface.py).
+
+The rest of the family: tests/test_api_tp.py (FSDP2 with tensor parallelism, HSDP x
+TP; the user's FSDP2 reshard settings), tests/test_api_fsdp1_prefetch.py (FSDP1
+prefetch settings).
 """
 
 from tests.harness import case_tests
 
-case_tests(globals(), "tests.cases_api", {"test_api": (2, 900), "test_api_ws4": (4, 900)})
+case_tests(globals(), "tests.cases_api", {"test_api": (2, 900)})
