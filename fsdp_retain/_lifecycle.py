@@ -35,9 +35,9 @@ import torch.nn as nn
 
 from . import _pass_start
 from ._common import ACTIVE_ATTR, RetainError, create_graph_needs_keep
-from ._policy import PassTracker, Policy, RetainOptions
 from ._inputs import map_inputs
 from ._loss_grads import LossGrads
+from ._policy import PassTracker, Policy, RetainOptions
 from ._probe import ProbeTargets, refuse_reentrant_checkpoint
 from ._saved_tensors import SavedTensorCheck
 from ._step_guard import refuse_step
@@ -361,4 +361,3 @@ class BlockBase(abc.ABC):
 
     def _in_backward(self) -> bool:
         return _pass_start.in_backward()
-

@@ -11,7 +11,7 @@ While a block is installed, torch.autograd's engine entry
 (``torch.autograd._engine_run_backward``, which ``Tensor.backward``,
 ``torch.autograd.backward`` and ``torch.autograd.grad`` all call) is wrapped:
 each watcher's ``map_inputs()`` sees the pass's ``inputs`` (see [Note: inputs
-that name parameters] in ``_lifecycle.py``) and its ``before_backward()`` runs
+that name parameters] in ``_inputs.py``) and its ``before_backward()`` runs
 before the engine starts, a pre-hook on the autograd node of every root tensor
 runs the watchers' ``on_backward_start()`` inside the pass, where callbacks can
 be queued and :func:`will_run` answers, before any node computes, and
