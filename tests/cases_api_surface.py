@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import shutil
 import tempfile
 
 import torch
@@ -245,7 +246,12 @@ def _checkpoint_between(flavour: str, keep: bool) -> None:
         set_optimizer_state_dict(model, opt, state["optim"])
         return opt
 
-    _case(flavour, keep, _two_passes, between=between)
+    try:
+        _case(flavour, keep, _two_passes, between=between)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
 
 
 _add("dcp_save_load_between_steps", _checkpoint_between)

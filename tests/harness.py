@@ -22,6 +22,7 @@ import faulthandler
 import importlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -183,6 +184,7 @@ def launch(
     for rank in range(world_size):
         path = workdir / f"results_rank{rank}.json"
         per_rank.append(json.loads(path.read_text()) if path.exists() else {})
+    shutil.rmtree(workdir, ignore_errors=True)
     return LaunchResult(
         world_size, [p.returncode for p in procs], per_rank, outputs, timed_out
     )
@@ -271,11 +273,13 @@ def _worker(module: str, out: Path, names: list[str]) -> int:
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    measure = _Measure(module, rank, dist.get_world_size())
     mod = importlib.import_module(module)
     results: dict[str, dict] = {}
     path = out / f"results_rank{rank}.json"
     for name in names:
         case = mod.registry.cases[name]
+        measure.case(name)
         start = time.perf_counter()
         print(f"[rank {rank}] case {name} ...", flush=True)
         try:
@@ -285,14 +289,52 @@ def _worker(module: str, out: Path, names: list[str]) -> int:
             results[name] = {"ok": False, "error": traceback.format_exc()}
             print(results[name]["error"], flush=True)
         results[name]["seconds"] = round(time.perf_counter() - start, 3)
+        measure.record(name, results[name]["seconds"])
         path.write_text(json.dumps(results))
         try:
             dist.barrier()
         except Exception:  # noqa: BLE001 - a peer failed; stop here
             print(f"[rank {rank}] barrier after {name} failed:\n{traceback.format_exc()}", flush=True)
             return 1
+    measure.stop()
     dist.destroy_process_group()
     return 0
+
+
+class _Measure:
+    """Rank 0's record of each case, for choosing what CI runs (scripts/select_subset.py):
+    its seconds under ``FSDP_RETAIN_CASE_TIMES`` (a JSON-lines file), and the library
+    lines it ran under ``FSDP_RETAIN_COVERAGE`` (a directory of coverage data, one
+    context per case). Both unset: nothing.
+    """
+
+    def __init__(self, module: str, rank: int, world_size: int) -> None:
+        self.prefix = f"{module}:ws{world_size}:"
+        self.times = os.environ.get("FSDP_RETAIN_CASE_TIMES") if rank == 0 else None
+        self.cov = None
+        cov_dir = os.environ.get("FSDP_RETAIN_COVERAGE")
+        if cov_dir and rank == 0:
+            import coverage
+
+            self.cov = coverage.Coverage(
+                data_file=str(Path(cov_dir) / ".coverage"), data_suffix=True,
+                source=[str(ROOT / "fsdp_retain")],
+            )
+            self.cov.start()
+
+    def case(self, name: str) -> None:
+        if self.cov is not None:
+            self.cov.switch_context(self.prefix + name)
+
+    def record(self, name: str, seconds: float) -> None:
+        if self.times:
+            with open(self.times, "a") as f:
+                f.write(json.dumps({"case": self.prefix + name, "seconds": seconds}) + "\n")
+
+    def stop(self) -> None:
+        if self.cov is not None:
+            self.cov.stop()
+            self.cov.save()
 
 
 def main() -> int:
