@@ -7,19 +7,22 @@
 #   scripts/torch_matrix.sh --install-only 2.9.1 2.15.0   # only make the venvs (CI, in the
 #                                                         # background); a later run reuses them
 #
-# Each venv gets `pip install torch==VERSION`, then the project with its test
+# Each venv gets `pip install torch==VERSION` (uv where it can be had:
+# scripts/venv_install.sh), then the project with its test
 # extra under a constraint that pins that torch (so nothing replaces
 # it), runs `python -m pytest -q`, and is deleted afterwards (KEEP_VENVS=1 keeps
 # it). Registry builds of torch carry CUDA but run on CPU; each venv is ~5 GB.
 # MATRIX_RECORD=0 (CI) leaves docs/compat.* alone; MATRIX_VENV_DIR (default $TMPDIR or
 # /tmp) is where the venvs go.
 # A machine-wide pip constraint (e.g. torch<=2.14.1 in /etc/xdg/pip) would refuse the
-# version asked for: these installs replace it with PIP_CONSTRAINT=/dev/null (index
-# settings are kept) and pin the venv's own torch with their constraints file instead.
+# version asked for: these installs do not take it (uv does not read it; with pip,
+# PIP_CONSTRAINT=/dev/null; index settings are kept) and pin the venv's own torch with
+# their constraints file instead.
 # Exit status: non-zero if any version failed to install or had a failing test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
+source scripts/venv_install.sh
 
 subset=0
 install_only=0
@@ -58,9 +61,9 @@ for version in "$@"; do
   if [ ! -x "$venv/bin/python" ]; then  # KEEP_VENVS=1 from an earlier run: reuse
     rm -rf "$venv"
     echo "torch==$version" >"$constraints"
-    if ! { "$python" -m venv "$venv" &&
-      PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q "torch==$version" &&
-      PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[test]"; } >>"$log" 2>&1; then
+    if ! { venv_make "$venv" &&
+      venv_pip "$venv" "torch==$version" &&
+      venv_project "$venv" -c "$constraints" test; } >>"$log" 2>&1; then
       result="install failed (see $log)"
     fi
   fi

@@ -17,11 +17,12 @@
 # `import transformers` (`operator torchvision::nms does not exist`): they are uninstalled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/venv_install.sh
 stack=${1:?usage: scripts/venv_ci.sh deepspeed|bergson [install|test]}
 step=${2:-all}
 case "$stack" in
-  deepspeed) packages=(-e '.[deepspeed,test]') unwanted=() tests=tests/test_deepspeed.py ;;
-  bergson) packages=(-e '.[test]' bergson==2.5.1) unwanted=(torchvision torchaudio) tests=tests/test_bergson.py ;;
+  deepspeed) extras=(deepspeed test) packages=() unwanted=() tests=tests/test_deepspeed.py ;;
+  bergson) extras=(test) packages=(bergson==2.5.1) unwanted=(torchvision torchaudio) tests=tests/test_bergson.py ;;
   *) echo "unknown stack: $stack" >&2; exit 2 ;;
 esac
 if [ -n "${CI_VENV_DIR:-}" ] && [ "$step" != all ]; then
@@ -34,11 +35,11 @@ fi
 if [ ! -f "$work/installed" ]; then
   rm -rf "$work/venv"
   printf 'torch==2.13.0\n' > "$work/constraints.txt"
-  python3 -m venv "$work/venv"
-  # PIP_CONSTRAINT=/dev/null: a machine-wide pip constraint gives way to this venv's own.
-  PIP_CONSTRAINT=/dev/null DS_BUILD_OPS=0 "$work/venv/bin/pip" install -q \
-      -c "$work/constraints.txt" torch==2.13.0 "${packages[@]}"
-  [ ${#unwanted[@]} = 0 ] || "$work/venv/bin/pip" uninstall -q -y "${unwanted[@]}"
+  venv_make "$work/venv"
+  # A machine-wide pip constraint gives way to this venv's own (scripts/venv_install.sh).
+  DS_BUILD_OPS=0 venv_pip "$work/venv" -c "$work/constraints.txt" torch==2.13.0 "${packages[@]}"
+  DS_BUILD_OPS=0 venv_project "$work/venv" -c "$work/constraints.txt" "${extras[@]}"
+  [ ${#unwanted[@]} = 0 ] || venv_pip_uninstall "$work/venv" "${unwanted[@]}"
   touch "$work/installed"
 fi
 [ "$step" = install ] && exit 0

@@ -254,6 +254,7 @@ def _define_case_test(namespace: dict, module: str, test_name: str, world_size: 
         check_case(request.getfixturevalue(fixture_name), name)
 
     test.__name__ = test.__qualname__ = test_name
+    test.harness_launch = (module, world_size)  # scripts/select_subset.py maps cases to tests
     test.__module__ = namespace["__name__"]
     namespace[fixture_name] = launched
     namespace[test_name] = test
