@@ -72,7 +72,7 @@ class RetainBlock(Protocol):
     def grads(self, loss: torch.Tensor, *, retain_graph: bool | None = None) -> LossGrads:
         """One backward pass of ``loss`` whose reduced, sharded gradients come back
         (a ``LossGrads``) instead of adding to ``.grad``: the sharded counterpart of
-        ``torch.autograd.grad(loss, model.parameters())`` (FSDP1 and FSDP2)."""
+        ``torch.autograd.grad(loss, model.parameters())`` (FSDP1, FSDP2, ZeRO-3)."""
         ...
 
 

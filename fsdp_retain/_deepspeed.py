@@ -81,8 +81,10 @@ import torch.nn as nn
 
 from ._common import Liveness, RetainError, grad_tensors, queue_callback, require_attr
 from . import _pass_start
+from ._deepspeed_grads import PartitionSlots
 from ._deepspeed_graph import backward_after_exit, held_node
 from ._lifecycle import BlockBase
+from ._loss_grads import GradSlots
 from ._policy import RetainOptions
 
 _RELEASE = "_PartitionedParameterCoordinator__release_param"
@@ -248,6 +250,18 @@ class DeepSpeedBlock(BlockBase):
         # Seen: with keep_unsharded=True the next pass fails in ZeRO-3's coordinator
         # ("active_backward_submodules is empty"), after gradients were written.
         raise RetainError(_INPUTS_REFUSED)
+
+    def _grad_slots(self) -> GradSlots:
+        # See [Note: per-loss gradients] in _loss_grads.py and _deepspeed_grads.py.
+        if self.model.fp16_enabled():
+            raise ValueError(
+                "block.grads() on DeepSpeed needs bf16 or fp32 training: with fp16, "
+                "ZeRO-3's loss scale would be missing from the gradients it returns. "
+                "Use \"bf16\": {\"enabled\": true} in the DeepSpeed config."
+            )
+        opt = self._optimizer
+        params = [p for group in opt.fp16_groups for p in group]
+        return PartitionSlots(self, opt, params, self._partitions, opt.dp_process_group)
 
     def _uninstall(self) -> None:
         self._alive.exited = True

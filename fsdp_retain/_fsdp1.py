@@ -103,6 +103,7 @@ from ._fsdp1_guards import (
 )
 from ._fsdp1_units import ForwardRecorder, Unit, backward_order, make_units
 from ._lifecycle import BlockBase
+from ._loss_grads import GradSlots
 from ._policy import RetainOptions
 
 
@@ -349,7 +350,7 @@ class FSDP1Block(BlockBase):
             self._ledger.forget_sentinels()
 
     # Per-loss gradients: see [Note: per-loss gradients] in _loss_grads.py #
-    def _grad_holders(self) -> tuple[list[torch.Tensor], Any, bool]:
+    def _grad_slots(self) -> GradSlots:
         if not all(s for _, s in self._saved_sync):
             raise ValueError(_GRADS_NEED_SYNC)
         handles = [u.handle for u in self._units]
@@ -360,7 +361,8 @@ class FSDP1Block(BlockBase):
                 "block.grads() needs every FSDP1 unit of one sharding strategy and "
                 "process group: not supported yet for mixed units."
             )
-        return [u.flat_param for u in self._units], groups.pop(), sharded.pop()
+        return GradSlots([u.flat_param for u in self._units], groups.pop(), sharded.pop(),
+                         refresh=self._grads_changed)
 
     def _grads_changed(self) -> None:
         for unit in self._units:

@@ -67,6 +67,7 @@ from ._fsdp2_compat import (
 from ._fsdp2_grads import HeldGrads
 from ._fsdp2_nodes import ForwardNodes
 from ._lifecycle import BlockBase
+from ._loss_grads import GradSlots
 from ._policy import RetainOptions
 
 
@@ -247,7 +248,7 @@ class FSDP2Block(BlockBase):
         return ptrs
 
     # Per-loss gradients: see [Note: per-loss gradients] in _loss_grads.py #
-    def _grad_holders(self) -> tuple[list[torch.Tensor], Any, bool]:
+    def _grad_slots(self) -> GradSlots:
         if not all(saved["reduce_grads"] for _, saved in self._saved_groups):
             raise ValueError(_GRADS_NEED_SYNC)
         holders = [fp.sharded_param for g in self._groups for fp in g.fsdp_params]
@@ -258,7 +259,7 @@ class FSDP2Block(BlockBase):
                 "group (1-D FSDP2 or HSDP); this model's parameters are sharded over "
                 f"{len(groups)} (e.g. with tensor parallelism): not supported yet."
             )
-        return holders, groups.pop(), True
+        return GradSlots(holders, groups.pop(), True)
 
     # Pass boundaries #
     def on_backward_start(self) -> None:

@@ -36,7 +36,7 @@ import torch.nn as nn
 from . import _pass_start
 from ._common import ACTIVE_ATTR, RetainError, create_graph_needs_keep
 from ._inputs import map_inputs
-from ._loss_grads import LossGrads
+from ._loss_grads import GradSlots, LossGrads
 from ._policy import PassTracker, Policy, RetainOptions
 from ._probe import ProbeTargets, refuse_reentrant_checkpoint
 from ._saved_tensors import SavedTensorCheck
@@ -251,31 +251,22 @@ class BlockBase(abc.ABC):
                 "block.grads() reduces each loss's gradients in its own pass, so it needs "
                 "sync_grads='every' (the default); this block has sync_grads='last'."
             )
-        holders, group, sharded = self._grad_holders()
-        saved = [h.grad for h in holders]
-        for holder in holders:
-            holder.grad = None
-        self._grads_changed()
+        slots = self._grad_slots()
+        saved = slots.take()
         try:
             loss.backward(retain_graph=retain_graph)
-            values = [h.grad for h in holders]
+            values = slots.read()
         finally:
-            for holder, grad in zip(holders, saved):
-                holder.grad = grad
-            self._grads_changed()
-        return LossGrads(holders, values, group, sharded, refresh=self._grads_changed)
+            slots.put(saved)
+        return LossGrads(slots, values)
 
-    def _grad_holders(self) -> tuple[list[torch.Tensor], Any, bool]:
-        """``(tensors whose .grad the optimizer reads, the group whose ranks hold
-        disjoint shards, whether they are shards)`` for ``grads``; raises where a
-        pass does not reduce."""
+    def _grad_slots(self) -> GradSlots:
+        """Where the gradients the optimizer steps on are, for ``grads``; raises where
+        a pass does not reduce."""
         raise ValueError(
             f"block.grads() is not supported on this backend ({type(self).__name__}); "
-            "FSDP1 and FSDP2 support it."
+            "FSDP1, FSDP2 and DeepSpeed ZeRO-3 support it."
         )
-
-    def _grads_changed(self) -> None:
-        """After ``.grad`` of the holders was set from outside FSDP."""
 
     # Entry and exit #
     def enter(self) -> None:

@@ -11,6 +11,7 @@ The cases live in parts, one concern each, registered here in this order:
   HF reentrant gradient checkpointing, a pass from inside the model after the block.
 - ``tests/cases_deepspeed_inputs.py``: ``backward(inputs=)`` and ``autograd.grad``
   naming parameters.
+- ``tests/cases_deepspeed_loss_grads.py``: per-loss gradients (``block.grads``).
 
 ``tests/cases_deepspeed_common.py`` holds what they share (the model, the engine, the
 reference, ``Scenario`` and ``run_parity``, collective counting).
@@ -19,6 +20,7 @@ reference, ``Scenario`` and ``run_parity``, collective counting).
 from tests import (
     cases_deepspeed_api,
     cases_deepspeed_inputs,
+    cases_deepspeed_loss_grads,
     cases_deepspeed_parity,
     cases_deepspeed_pass_starts,
     cases_deepspeed_state,
@@ -31,4 +33,5 @@ registry = combined(
     cases_deepspeed_pass_starts,
     cases_deepspeed_api,
     cases_deepspeed_inputs,
+    cases_deepspeed_loss_grads,
 )

@@ -1,0 +1,90 @@
+"""ZeRO-3's reduced gradients as ``block.grads`` sees them: its gradient partitions.
+
+ZeRO-3 reduce-scatters each parameter's gradient into a partition of the optimizer
+(``__param_id_to_grad_partition``, by ``ds_id``), copying over it in the first
+micro-step after ``zero_grad`` (``micro_step_id == 0``) and adding to it after; the
+parameters' ``.grad`` is dropped. The step reads the partitions. So for
+[Note: per-loss gradients] the slots are the partitions, and "moved aside" means:
+their contents and the copy-or-add state put away, the pass run as a first
+micro-step into zeroed partitions (its own gradient alone), then both put back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ._loss_grads import GradSlots
+
+
+@dataclasses.dataclass
+class _Saved:
+    partitions: list[torch.Tensor] | None  # None: they held nothing of this step
+    micro_step_id: int
+    epilogue_ran: bool
+    block_state: dict[str, Any]
+
+
+class PartitionSlots(GradSlots):
+    """``holders``: the parameters (for identity); the values are their partitions.
+
+    ``block`` is the ``DeepSpeedBlock``: ``_reduced`` says whether a pass of the block
+    wrote the partitions, ``_bumped_micro_step`` whether it made ZeRO-3 add to them.
+    """
+
+    _BLOCK_STATE = ("_reduced", "_bumped_micro_step")
+
+    def __init__(self, block: Any, optimizer: Any, params: list[Any],
+                 partitions: dict[int, torch.Tensor], group: Any) -> None:
+        super().__init__(params, group, True)
+        self._block = block
+        self._opt = optimizer
+        self._parts = [partitions[p.ds_id] for p in params]
+
+    def _holds_step(self) -> bool:
+        """Whether the partitions hold this step's gradient (else a past step's)."""
+        return bool(self._block._reduced or self._opt.micro_step_id > 0)
+
+    def take(self) -> _Saved:
+        saved = _Saved(
+            [p.clone() for p in self._parts] if self._holds_step() else None,
+            self._opt.micro_step_id,
+            self._opt._epilogue_ran_this_backward,
+            {name: getattr(self._block, name) for name in self._BLOCK_STATE},
+        )
+        for part in self._parts:
+            part.zero_()
+        self._opt.micro_step_id = 0
+        self._block._reduced = False
+        self._block._bumped_micro_step = False
+        return saved
+
+    def read(self) -> list[torch.Tensor | None]:
+        return [p.clone() for p in self._parts]
+
+    def put(self, saved: _Saved) -> None:
+        for i, part in enumerate(self._parts):
+            if saved.partitions is None:
+                part.zero_()
+            else:
+                part.copy_(saved.partitions[i])
+        self._opt.micro_step_id = saved.micro_step_id
+        self._opt._epilogue_ran_this_backward = saved.epilogue_ran
+        for name, value in saved.block_state.items():
+            setattr(self._block, name, value)
+
+    def add(self, values: list[torch.Tensor | None]) -> None:
+        if not self._holds_step():
+            for part in self._parts:
+                part.zero_()
+            # What a reducing pass leaves (DeepSpeedBlock._accumulate_into_partitions):
+            # later passes of the block add to these; the exit sets the count back.
+            self._block._reduced = True
+            if self._opt.micro_step_id == 0:
+                self._opt.micro_step_id = 1
+                self._block._bumped_micro_step = True
+        for part, value in zip(self._parts, values):
+            if value is not None:
+                part.add_(value.detach().to(part.dtype).view(part.shape))
