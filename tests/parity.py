@@ -118,14 +118,18 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def averaged_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    grads = {}
-    for name, param in model.named_parameters():
-        if param.grad is None:
-            continue
-        grad = param.grad.detach().clone()
-        dist.all_reduce(grad)
-        grads[name] = grad / world()
-    return grads
+    """Each gradient averaged over ranks: one all-reduce of them all, flattened."""
+    named = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+    if not named:
+        return {}
+    flat = torch.cat([g.reshape(-1) for g in named.values()])
+    dist.all_reduce(flat)
+    flat /= world()
+    out, offset = {}, 0
+    for name, grad in named.items():
+        out[name] = flat[offset:offset + grad.numel()].view(grad.shape).clone()
+        offset += grad.numel()
+    return out
 
 
 @dataclasses.dataclass

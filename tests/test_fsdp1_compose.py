@@ -7,6 +7,6 @@ what each case asserts."""
 
 from tests.harness import case_tests
 
-# 1200 s: on torch 2.9-2.11 fifty_steps_no_growth_fp32_flat_memtracker alone takes
+# 1200 s: on torch 2.9-2.11 many_steps_no_growth_fp32_flat_memtracker (then 50 steps) alone took
 # 400-500 s (MemTracker; about 25 s on 2.12 and later), the launch up to 540 s.
 case_tests(globals(), "tests.cases_fsdp1_compose", {"test_fsdp1_compose": (2, 1200)})
