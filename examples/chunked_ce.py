@@ -6,6 +6,7 @@ Run (2 processes; CPU with gloo, or one GPU per process with NCCL if CUDA is the
     torchrun --nproc_per_node 2 examples/chunked_ce.py                     # FSDP2, 4 chunks
     torchrun --nproc_per_node 2 examples/chunked_ce.py --fsdp 1            # FSDP1
     torchrun --nproc_per_node 2 examples/chunked_ce.py --no-library        # the plain loop
+    torchrun --nproc_per_node 2 examples/chunked_ce.py --keep-unsharded lm_head  # a budget
 
 A tiny decoder (embedding, residual blocks, final norm, lm_head; each block and the
 lm_head its own FSDP unit). The logits of a long sequence over a large vocabulary are
@@ -29,6 +30,7 @@ exits non-zero if they differ by 1e-6 or more.
 
 import argparse
 import copy
+import functools
 import os
 from collections import Counter
 
@@ -85,8 +87,6 @@ def shard_fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def shard_fsdp1(model: nn.Module, device: torch.device) -> nn.Module:
-    import functools
-
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
@@ -191,9 +191,11 @@ def step_plain(model, tokens, labels, chunks) -> torch.Tensor:
     return chunked_passes(model, tokens, labels, chunks)
 
 
-def step_block(model, tokens, labels, chunks) -> torch.Tensor:
+def step_block(model, tokens, labels, chunks, keep_unsharded: bool | int = True) -> torch.Tensor:
     # New code #
-    with no_reshard_between_backwards(model, sync_grads="last", backwards=len(chunks) + 1):
+    with no_reshard_between_backwards(
+        model, keep_unsharded=keep_unsharded, sync_grads="last", backwards=len(chunks) + 1
+    ):
         return chunked_passes(model, tokens, labels, chunks)
 
 
@@ -217,6 +219,10 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-library", action="store_true", help="the plain loop, no block")
+    parser.add_argument(
+        "--keep-unsharded", choices=("all", "lm_head", "none"), default="all",
+        help="the block's keep_unsharded: True, a budget of the lm_head's bytes, or False",
+    )
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=96)
@@ -238,14 +244,16 @@ def main() -> None:
     torch.manual_seed(42)
     base = Decoder(args.vocab, args.dim, args.layers).to(device)
     ref = copy.deepcopy(base)
+    lm_head_bytes = base.lm_head.weight.numel() * base.lm_head.weight.element_size()
     units = {"lm_head": base.lm_head.weight.numel()}
     model = (shard_fsdp2 if args.fsdp == 2 else shard_fsdp1)(base, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     bounds = torch.linspace(0, args.seq, args.chunks + 1).round().long().tolist()
     chunks = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-    step_fn = step_plain if args.no_library else step_block
-    mode = "plain" if args.no_library else "block"
+    keep = {"all": True, "lm_head": lm_head_bytes, "none": False}[args.keep_unsharded]
+    step_fn = step_plain if args.no_library else functools.partial(step_block, keep_unsharded=keep)
+    mode = "plain" if args.no_library else f"block (keep_unsharded={keep})"
     if rank == 0:
         print(
             f"FSDP{args.fsdp}, {dist.get_world_size()} ranks, {device.type}, {mode}, "

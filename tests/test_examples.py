@@ -231,7 +231,8 @@ def test_chunked_ce(fsdp, chunks, library):
     args = ["--fsdp", str(fsdp), "--chunks", str(chunks), "--steps", str(steps)]
     args += [] if library else ["--no-library"]
     out = _check_ok(_torchrun("chunked_ce.py", *args, count_blocks=False))
-    assert f"FSDP{fsdp}, 2 ranks, cpu, {'block' if library else 'plain'}, {chunks} chunks" in out
+    mode = "block (keep_unsharded=True)" if library else "plain"
+    assert f"FSDP{fsdp}, 2 ranks, cpu, {mode}, {chunks} chunks" in out
     assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
     if library:
         # keep_unsharded=True, sync_grads="last": one all-gather and one reduce-scatter
@@ -246,6 +247,24 @@ def test_chunked_ce(fsdp, chunks, library):
         expected = {"all_gather": 2 * chunks + 2 * (units - 1) - (fsdp == 1),
                     "reduce_scatter": chunks + units - 1,
                     "lm_head_all_gather": 2 * chunks, "lm_head_reduce_scatter": chunks}
+    assert _steps(out) == [expected] * steps
+
+
+@pytest.mark.parametrize("keep", ["lm_head", "none"])
+def test_chunked_ce_keep_unsharded(keep):
+    """chunked_ce.py --keep-unsharded {lm_head,none} --chunks 4, FSDP2, 2 CPU ranks: a
+    budget of the lm_head's bytes keeps the lm_head gathered; False re-gathers it."""
+    steps, blocks, chunks = 3, 3, 4
+    args = ["--keep-unsharded", keep, "--chunks", str(chunks), "--steps", str(steps)]
+    out = _check_ok(_torchrun("chunked_ce.py", *args, count_blocks=False))
+    assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
+    # The trunk's blocks gather in forward and again in backward, as plain FSDP2 does;
+    # the root is gathered at every pass (k + 1), though no chunk goes through it; the
+    # budget (12288 bytes: the root's 12544 do not fit) keeps the lm_head, False gathers
+    # it for each chunk's forward and backward.
+    lm_head = 1 if keep == "lm_head" else 2 * chunks
+    expected = {"all_gather": 2 * blocks + (chunks + 1) + lm_head, "reduce_scatter": blocks + 2,
+                "lm_head_all_gather": lm_head, "lm_head_reduce_scatter": 1}
     assert _steps(out) == [expected] * steps
 
 
