@@ -6,6 +6,7 @@ Run (2 processes; CPU with gloo, or one GPU per process with NCCL if CUDA is the
     torchrun --nproc_per_node 2 examples/mtp_heads.py                     # FSDP2, 3 heads
     torchrun --nproc_per_node 2 examples/mtp_heads.py --fsdp 1            # FSDP1
     torchrun --nproc_per_node 2 examples/mtp_heads.py --no-library        # the plain loop
+    torchrun --nproc_per_node 2 examples/mtp_heads.py --head-norms        # each head's norm
 
 A tiny decoder (embedding, residual blocks) whose hidden states feed k prediction
 heads; head i predicts the token i + 1 positions ahead (multi-token prediction, as in
@@ -40,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # New code #
+import fsdp_retain
 from fsdp_retain import no_reshard_between_backwards
 
 
@@ -179,39 +181,70 @@ def _unsharded_numel(values) -> int:
     return max((numel(v) for v in values), default=0)
 
 
+def head_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
 def head_passes(model, tokens, targets) -> torch.Tensor:
     outs = model(tokens)  # one forward of the trunk and every head
     total = torch.zeros((), device=tokens.device)
     for i, (logits, target) in enumerate(zip(outs, targets)):
-        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        loss = head_loss(logits, target)
         loss.backward(retain_graph=i < len(outs) - 1)  # through head i and the trunk
         total += loss.detach()
     return total
 
 
-def step_plain(model, tokens, targets) -> torch.Tensor:
+def step_plain(model, tokens, targets) -> tuple[torch.Tensor, None]:
     """Without the library."""
-    return head_passes(model, tokens, targets)
+    return head_passes(model, tokens, targets), None
 
 
-def step_block(model, tokens, targets) -> torch.Tensor:
+def step_block(model, tokens, targets) -> tuple[torch.Tensor, None]:
     # New code #
     with no_reshard_between_backwards(model, sync_grads="last", backwards=len(targets)):
-        return head_passes(model, tokens, targets)
+        return head_passes(model, tokens, targets), None
 
 
-def reference_step(ref, ref_opt, tokens, targets) -> torch.Tensor:
+def step_block_norms(model, tokens, targets) -> tuple[torch.Tensor, list[float]]:
+    """Each head's gradient apart (``block.grads``: reduced and sharded, ``.grad`` left
+    alone), their norms from the Gramian's diagonal (one all-reduce), then their sum
+    applied to ``.grad``. Each pass reduces its own gradient: ``sync_grads="every"``."""
+    # New code #
+    with no_reshard_between_backwards(model, backwards=len(targets)) as block:
+        outs = model(tokens)
+        losses = [head_loss(logits, target) for logits, target in zip(outs, targets)]
+        grads = [
+            block.grads(loss, retain_graph=i < len(losses) - 1) for i, loss in enumerate(losses)
+        ]
+        norms = fsdp_retain.gramian(grads).diagonal().sqrt()
+        fsdp_retain.apply_grads(fsdp_retain.combine(grads, torch.ones_like(norms)))
+    return torch.stack(losses).sum().detach(), norms.tolist()
+
+
+def reference_step(ref, ref_opt, tokens, targets, head_norms: bool):
     """The unsharded model on the sum of the head losses in one backward, its gradients
-    averaged over ranks as FSDP does."""
+    averaged over ranks as FSDP does (and, with ``head_norms``, each head's gradient
+    norm, from a gradient of its own)."""
     outs = ref(tokens)
-    loss = sum(F.cross_entropy(o.flatten(0, 1), t.flatten()) for o, t in zip(outs, targets))
+    losses = [head_loss(logits, target) for logits, target in zip(outs, targets)]
+    norms = [_averaged_grad_norm(ref, loss) for loss in losses] if head_norms else None
+    loss = torch.stack(losses).sum()
     loss.backward()
     for p in ref.parameters():
         dist.all_reduce(p.grad)
         p.grad /= dist.get_world_size()
     ref_opt.step()
     ref_opt.zero_grad()
-    return loss.detach()
+    return loss.detach(), norms
+
+
+def _averaged_grad_norm(ref: nn.Module, loss: torch.Tensor) -> float:
+    params = list(ref.parameters())
+    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    flat = torch.cat([g.reshape(-1) for g in grads if g is not None])
+    dist.all_reduce(flat)
+    return (flat / dist.get_world_size()).norm().item()
 
 
 def main() -> None:
@@ -220,6 +253,10 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-library", action="store_true", help="the plain loop, no block")
+    parser.add_argument(
+        "--head-norms", action="store_true",
+        help="each head's gradient apart with block.grads, its norm logged, then their sum",
+    )
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=96)
@@ -228,6 +265,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.heads < 1:
         parser.error(f"--heads {args.heads}: pass at least 1 head")
+    if args.head_norms and args.no_library:
+        parser.error("--head-norms uses block.grads: leave out --no-library")
 
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -245,8 +284,8 @@ def main() -> None:
     model = (shard_fsdp2 if args.fsdp == 2 else shard_fsdp1)(base, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    step_fn = step_plain if args.no_library else step_block
-    mode = "plain" if args.no_library else "block"
+    step_fn = step_plain if args.no_library else step_block_norms if args.head_norms else step_block
+    mode = "plain" if args.no_library else "block.grads" if args.head_norms else "block"
     if rank == 0:
         print(
             f"FSDP{args.fsdp}, {dist.get_world_size()} ranks, {device.type}, {mode}, "
@@ -254,25 +293,32 @@ def main() -> None:
             f"{args.steps} steps"
         )
     gen = torch.Generator().manual_seed(42 + rank + 1)
-    max_diff = max_loss_diff = 0.0
+    max_diff = max_loss_diff = max_norm_diff = 0.0
     for step in range(args.steps):
         seq = torch.randint(args.vocab, (args.batch, args.seq + args.heads), generator=gen)
         seq = seq.to(device)
         tokens = seq[:, : args.seq]
         targets = [seq[:, 1 + i : 1 + i + args.seq] for i in range(args.heads)]
         with CollectiveCounter(units) as comm:
-            loss = step_fn(model, tokens, targets)
+            loss, norms = step_fn(model, tokens, targets)
         opt.step()
         opt.zero_grad()
-        ref_loss = reference_step(ref, ref_opt, tokens, targets)
+        ref_loss, ref_norms = reference_step(ref, ref_opt, tokens, targets, args.head_norms)
+        if norms is not None:
+            for got, want in zip(norms, ref_norms):
+                max_norm_diff = max(max_norm_diff, abs(got - want) / want)
         max_loss_diff = max(max_loss_diff, (loss - ref_loss).abs().item())
         for name, p in full_params(model).items():  # compared after every step
             max_diff = max(max_diff, (p - ref.get_parameter(name)).abs().max().item())
         if rank == 0:
             print(f"step {step}: loss {loss.item():.4f} {comm.line()}")
+            if norms is not None:
+                print(f"  head gradient norms: {', '.join(f'{n:.5g}' for n in norms)}")
 
-    ok = max_diff < 1e-6
+    ok = max_diff < 1e-6 and max_norm_diff < 1e-5
     if rank == 0:
+        if args.head_norms:
+            print(f"head gradient norms: max relative difference {max_norm_diff:.3g}")
         print(f"max |loss difference| vs one backward of the summed loss: {max_loss_diff:.3g}")
         print(f"PARITY max_diff={max_diff:.3g} (max |param difference| over {args.steps} steps)")
         print("agreement: OK" if ok else "agreement: FAILED")

@@ -37,7 +37,9 @@ all-gathers, so agreement alone would not show that the block did anything).
   forward once per chunk, so the example counts with a dispatch mode of its own.
 - mtp_heads.py (multi-token prediction heads over one trunk), FSDP2 and FSDP1: with
   the block, parity with one backward of the summed loss and U all-gathers and U
-  reduce-scatters per step (also counted by ``tests/count_blocks.py``); without it
+  reduce-scatters per step (also counted by ``tests/count_blocks.py``); with
+  ``--head-norms`` (``block.grads`` per head) each head's gradient norm matches the
+  reference's; without it
   FSDP2 re-gathers and reduces the trunk in every head's backward, FSDP1 fails in the
   second.
 - The influence example's ``GradientProjector`` against per-sequence gradients
@@ -268,22 +270,35 @@ def test_chunked_ce_keep_unsharded(keep):
     assert _steps(out) == [expected] * steps
 
 
+@pytest.mark.parametrize("norms", [False, True], ids=["sum", "head_norms"])
 @pytest.mark.parametrize("fsdp", [2, 1])
-def test_mtp_heads(fsdp):
+def test_mtp_heads(fsdp, norms):
     """mtp_heads.py --fsdp {2,1} --heads 3 (3 blocks + 3 heads + root), 2 CPU ranks, with
-    the block (sync_grads="last", backwards=3): parity, and the trunk gathered and
-    reduced once per step."""
+    the block: sync_grads="last", backwards=3 (the trunk gathered and reduced once per
+    step), or --head-norms (block.grads per head, each head's gradient norm)."""
     steps, layers, heads = 3, 3, 3
     units = layers + heads + 1
     args = ["--fsdp", str(fsdp), "--heads", str(heads), "--steps", str(steps)]
+    args += ["--head-norms"] if norms else []
     out = _check_ok(_torchrun("mtp_heads.py", *args))
-    assert f"FSDP{fsdp}, 2 ranks, cpu, block, {heads} heads" in out
+    mode = "block.grads" if norms else "block"
+    assert f"FSDP{fsdp}, 2 ranks, cpu, {mode}, {heads} heads" in out
     assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
-    expected = {"all_gather": units, "reduce_scatter": units,
-                "trunk_block_all_gather": layers, "trunk_block_reduce_scatter": layers}
+    if norms:
+        # Against each head's gradient norm in the reference (a gradient of its own).
+        assert _number(r"head gradient norms: max relative difference (\S+)", out) < 1e-5
+        assert len(re.findall(r"^  head gradient norms: (?:\S+, ){2}\S+$", out, re.M)) == steps
+    # keep_unsharded=True: U all-gathers. "last": one reduce-scatter per unit; block.grads
+    # ("every"): each pass reduces the L + 2 units it reached, and the Gramian is one
+    # all-reduce.
+    reduce_scatter = heads * (layers + 2) if norms else units
+    expected = {"all_gather": units, "reduce_scatter": reduce_scatter,
+                "trunk_block_all_gather": layers,
+                "trunk_block_reduce_scatter": layers * heads if norms else layers}
     assert _steps(out) == [expected] * steps
     # count_blocks' CommDebugMode agrees, and sees one pass per head.
-    block = {"passes": heads, "all_gather": units, "reduce_scatter": units, "all_reduce": 0}
+    block = {"passes": heads, "all_gather": units, "reduce_scatter": reduce_scatter,
+             "all_reduce": int(norms)}
     assert _blocks(out) == [block] * steps
 
 
