@@ -13,19 +13,20 @@ heads; head i predicts the token i + 1 positions ahead (multi-token prediction, 
 DeepSeek-V3, whose MTP modules are chained rather than side by side; see
 docs/mtp.md). Each trunk block and each head is its own FSDP unit. One forward of
 the trunk and every head; then each head's loss its own backward, through that head
-and the trunk (``retain_graph=True`` except the last), so that one head's activations
-and gradients are freed before the next head's backward. Plain FSDP1 fails in the
-second backward (the first one freed the trunk's gathered parameters the retained
-graph still uses); plain FSDP2 runs but all-gathers the trunk again and reduce-scatters
-its gradient in every backward. Inside
+and the trunk (``retain_graph=True`` except the last). Plain FSDP1 fails in the second
+backward (the first one freed unsharded parameters the retained graph still uses);
+plain FSDP2 runs but all-gathers the trunk again and reduce-scatters its gradient in
+every backward. Inside
 ``no_reshard_between_backwards(model, sync_grads="last", backwards=heads)`` the trunk is
-gathered once and every unit reduces its gradient once.
+gathered once and every unit reduces its gradient once. ``--head-norms`` takes each
+head's gradient apart instead (``block.grads``), logs its norm and applies their sum.
 
 Per step it prints the all-gathers and reduce-scatters (counted by a dispatch mode as
 torch's ``CommDebugMode`` counts them; see ``CollectiveCounter``); after every step it
 compares the parameters with a one-process unsharded model trained on the sum of the
 head losses in one backward (each rank's batch; gradients averaged over ranks, as FSDP
-does), and exits non-zero if they differ by 1e-6 or more.
+does), and exits non-zero if they differ by 1e-6 or more (or, with ``--head-norms``, a
+head's gradient norm by 1e-5 relative).
 """
 
 import argparse
