@@ -32,16 +32,16 @@ all-gathers, so agreement alone would not show that the block did anything).
   and without (``--no-library``): every way matches a one-process model trained on the
   unchunked loss to 1e-6 over 3 steps; with the block one all-gather and one
   reduce-scatter per unit per step (the lm_head's once, not once per chunk), without it
-  two all-gathers and one reduce-scatter of the lm_head per chunk. Run without
+  two all-gathers and one reduce-scatter of the lm_head per chunk; ``keep_unsharded``
+  a budget of the lm_head's bytes, and False, on FSDP2. Run without
   ``tests/count_blocks.py``: torch's ``CommDebugMode`` fails on a module that runs its
   forward once per chunk, so the example counts with a dispatch mode of its own.
 - mtp_heads.py (multi-token prediction heads over one trunk), FSDP2 and FSDP1: with
   the block, parity with one backward of the summed loss and U all-gathers and U
   reduce-scatters per step (also counted by ``tests/count_blocks.py``); with
   ``--head-norms`` (``block.grads`` per head) each head's gradient norm matches the
-  reference's; without it
-  FSDP2 re-gathers and reduces the trunk in every head's backward, FSDP1 fails in the
-  second.
+  reference's; without the block FSDP2 re-gathers and reduces the trunk in every head's
+  backward, and FSDP1 fails in the second.
 - The influence example's ``GradientProjector`` against per-sequence gradients
   computed one sequence at a time (in this process, no FSDP).
 """
