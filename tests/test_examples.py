@@ -28,6 +28,20 @@ all-gathers, so agreement alone would not show that the block did anything).
   pass): gradient projections and final parameters agree between the two
   ways; one all-gather per FSDP unit per micro-batch and one reduce-scatter
   per unit per step.
+- chunked_ce.py (torchtitan's chunked cross-entropy), FSDP2 and FSDP1, with the block
+  and without (``--no-library``): every way matches a one-process model trained on the
+  unchunked loss to 1e-6 over 3 steps; with the block one all-gather and one
+  reduce-scatter per unit per step (the lm_head's once, not once per chunk), without it
+  two all-gathers and one reduce-scatter of the lm_head per chunk; ``keep_unsharded``
+  a budget of the lm_head's bytes, and False, on FSDP2. Run without
+  ``tests/count_blocks.py``: torch's ``CommDebugMode`` fails on a module that runs its
+  forward once per chunk, so the example counts with a dispatch mode of its own.
+- mtp_heads.py (multi-token prediction heads over one trunk), FSDP2 and FSDP1: with
+  the block, parity with one backward of the summed loss and U all-gathers and U
+  reduce-scatters per step (also counted by ``tests/count_blocks.py``); with
+  ``--head-norms`` (``block.grads`` per head) each head's gradient norm matches the
+  reference's; without the block FSDP2 re-gathers and reduces the trunk in every head's
+  backward, and FSDP1 fails in the second.
 - The influence example's ``GradientProjector`` against per-sequence gradients
   computed one sequence at a time (in this process, no FSDP).
 """
@@ -71,10 +85,11 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
     return run_retrying_exit_abort(args, cwd=ROOT, env=full_env, timeout=TIMEOUT)
 
 
-def _torchrun(script: str, *script_args: str) -> subprocess.CompletedProcess:
+def _torchrun(script: str, *script_args: str, count_blocks: bool = True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-    return _run(cmd + [COUNT_BLOCKS, str(EXAMPLES / script), *script_args])
+    cmd += [COUNT_BLOCKS] if count_blocks else []
+    return _run(cmd + [str(EXAMPLES / script), *script_args])
 
 
 def _accelerate(config: str, *script: str, env: dict[str, str] | None = None):
@@ -93,6 +108,12 @@ def _number(pattern: str, out: str) -> float:
 def _blocks(out: str) -> list[dict[str, int]]:
     """The per-block collective counts printed by tests/count_blocks.py (rank 0)."""
     lines = re.findall(r"\[count_blocks\] (.*)", out)
+    return [{k: int(v) for k, v in (kv.split("=") for kv in line.split())} for line in lines]
+
+
+def _steps(out: str) -> list[dict[str, int]]:
+    """The per-step collective counts chunked_ce.py and mtp_heads.py print (rank 0)."""
+    lines = re.findall(r"^step \d+: loss \S+ (.*)$", out, re.M)
     return [{k: int(v) for k, v in (kv.split("=") for kv in line.split())} for line in lines]
 
 
@@ -201,6 +222,112 @@ def test_influence_trace(fsdp):
     no_sync = {"passes": 2, "all_gather": units, "reduce_scatter": 0, "all_reduce": 0}
     synced = {"passes": 2, "all_gather": units, "reduce_scatter": units, "all_reduce": 0}
     assert _blocks(out) == [no_sync, synced] * steps
+
+
+@pytest.mark.parametrize("library", [True, False], ids=["block", "plain"])
+@pytest.mark.parametrize("fsdp, chunks", [(2, 4), (1, 3)])
+def test_chunked_ce(fsdp, chunks, library):
+    """chunked_ce.py --fsdp {2,1} --chunks k (3 blocks + lm_head + root), 2 CPU ranks, with
+    the block (sync_grads="last", backwards=k + 1) and without it (--no-library)."""
+    steps, units = 3, 3 + 2
+    args = ["--fsdp", str(fsdp), "--chunks", str(chunks), "--steps", str(steps)]
+    args += [] if library else ["--no-library"]
+    out = _check_ok(_torchrun("chunked_ce.py", *args, count_blocks=False))
+    mode = "block (keep_unsharded=True)" if library else "plain"
+    assert f"FSDP{fsdp}, 2 ranks, cpu, {mode}, {chunks} chunks" in out
+    assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
+    if library:
+        # keep_unsharded=True, sync_grads="last": one all-gather and one reduce-scatter
+        # per unit per step, the lm_head's included, however many chunks.
+        expected = {"all_gather": units, "reduce_scatter": units,
+                    "lm_head_all_gather": 1, "lm_head_reduce_scatter": 1}
+    else:
+        # Each chunk is an iteration of its own for FSDP: the lm_head is gathered for its
+        # forward and again for its backward, and reduced, per chunk; the trunk (U - 1
+        # units) gathers in forward and again in backward, but FSDP1 keeps its root
+        # gathered after forward.
+        expected = {"all_gather": 2 * chunks + 2 * (units - 1) - (fsdp == 1),
+                    "reduce_scatter": chunks + units - 1,
+                    "lm_head_all_gather": 2 * chunks, "lm_head_reduce_scatter": chunks}
+    assert _steps(out) == [expected] * steps
+
+
+@pytest.mark.parametrize("keep", ["lm_head", "none"])
+def test_chunked_ce_keep_unsharded(keep):
+    """chunked_ce.py --keep-unsharded {lm_head,none} --chunks 4, FSDP2, 2 CPU ranks: a
+    budget of the lm_head's bytes keeps the lm_head gathered; False re-gathers it."""
+    steps, blocks, chunks = 3, 3, 4
+    args = ["--keep-unsharded", keep, "--chunks", str(chunks), "--steps", str(steps)]
+    out = _check_ok(_torchrun("chunked_ce.py", *args, count_blocks=False))
+    assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
+    # The trunk's blocks gather in forward and again in backward, as plain FSDP2 does;
+    # the root is gathered at every pass (k + 1), though no chunk goes through it; the
+    # budget (12288 bytes: the root's 12544 do not fit) keeps the lm_head, False gathers
+    # it for each chunk's forward and backward.
+    lm_head = 1 if keep == "lm_head" else 2 * chunks
+    expected = {"all_gather": 2 * blocks + (chunks + 1) + lm_head, "reduce_scatter": blocks + 2,
+                "lm_head_all_gather": lm_head, "lm_head_reduce_scatter": 1}
+    assert _steps(out) == [expected] * steps
+
+
+@pytest.mark.parametrize("norms", [False, True], ids=["sum", "head_norms"])
+@pytest.mark.parametrize("fsdp", [2, 1])
+def test_mtp_heads(fsdp, norms):
+    """mtp_heads.py --fsdp {2,1} --heads 3 (3 blocks + 3 heads + root), 2 CPU ranks, with
+    the block: sync_grads="last", backwards=3 (the trunk gathered and reduced once per
+    step), or --head-norms (block.grads per head, each head's gradient norm)."""
+    steps, layers, heads = 3, 3, 3
+    units = layers + heads + 1
+    args = ["--fsdp", str(fsdp), "--heads", str(heads), "--steps", str(steps)]
+    args += ["--head-norms"] if norms else []
+    out = _check_ok(_torchrun("mtp_heads.py", *args))
+    mode = "block.grads" if norms else "block"
+    assert f"FSDP{fsdp}, 2 ranks, cpu, {mode}, {heads} heads" in out
+    assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
+    if norms:
+        # Against each head's gradient norm in the reference (a gradient of its own).
+        assert _number(r"head gradient norms: max relative difference (\S+)", out) < 1e-5
+        assert len(re.findall(r"^  head gradient norms: (?:\S+, ){2}\S+$", out, re.M)) == steps
+    # keep_unsharded=True: U all-gathers. "last": one reduce-scatter per unit; block.grads
+    # ("every"): each pass reduces the L + 2 units it reached, and the Gramian is one
+    # all-reduce.
+    reduce_scatter = heads * (layers + 2) if norms else units
+    expected = {"all_gather": units, "reduce_scatter": reduce_scatter,
+                "trunk_block_all_gather": layers,
+                "trunk_block_reduce_scatter": layers * heads if norms else layers}
+    assert _steps(out) == [expected] * steps
+    # count_blocks' CommDebugMode agrees, and sees one pass per head.
+    block = {"passes": heads, "all_gather": units, "reduce_scatter": reduce_scatter,
+             "all_reduce": int(norms)}
+    assert _blocks(out) == [block] * steps
+
+
+def test_mtp_heads_plain_fsdp2_regathers_the_trunk():
+    """mtp_heads.py --no-library --heads 4, FSDP2, 2 CPU ranks: right, but every head's
+    backward all-gathers and reduce-scatters the trunk again."""
+    steps, layers, heads = 3, 3, 4
+    units = layers + heads + 1
+    args = ["--heads", str(heads), "--steps", str(steps), "--no-library"]
+    out = _check_ok(_torchrun("mtp_heads.py", *args, count_blocks=False))
+    assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
+    # Each pass reduces the L + 2 units it goes through (trunk blocks, root, its head)
+    # and, in the total, gathers as many: the forward's U, then L + 2 per pass (FSDP2
+    # keeps the root gathered into the first pass, one fewer, and gathers one head once
+    # more than its forward and backward need, one more).
+    expected = {"all_gather": units + heads * (layers + 2), "reduce_scatter": heads * (layers + 2),
+                "trunk_block_all_gather": layers * (heads + 1),
+                "trunk_block_reduce_scatter": layers * heads}
+    assert _steps(out) == [expected] * steps
+
+
+def test_mtp_heads_plain_fsdp1_fails():
+    """mtp_heads.py --no-library --fsdp 1, 2 CPU ranks: the second head's backward needs
+    parameters the first one freed."""
+    proc = _torchrun("mtp_heads.py", "--fsdp", "1", "--no-library", count_blocks=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "setStorage" in out and "out of bounds for storage of size 0" in out, out[-4000:]
+    assert "agreement" not in proc.stdout
 
 
 def _load_influence_trace():
