@@ -27,7 +27,11 @@ the pass's ``inputs`` to ``map_inputs`` before the engine starts:
 - an input that shares storage with a managed parameter but is not one (a
   slice, ``to_local()``) is refused too: no leaf of the graph stands for it;
 - so is ``inputs=`` over a reentrant activation checkpoint, which torch
-  refuses only midway through the pass.
+  refuses only midway through the pass;
+- and a backward run inside another one's node (a custom Function's backward:
+  torchjd's ``autogram.Engine`` computes its Gramian so) naming a managed
+  parameter: the driver does not treat it as a pass (``_pass_start``), so
+  nothing would reduce it; under plain FSDP such a Gramian is silently zero.
 ``BlockBase.after_backward`` drops what ``_select_grads`` put on the graph.
 """
 
@@ -41,7 +45,8 @@ from ._common import RetainError
 from ._probe import reaches_reentrant_checkpoint
 
 
-def map_inputs(block: Any, inputs: tuple, accumulate: bool, roots: list) -> tuple[tuple, list]:
+def map_inputs(block: Any, inputs: tuple, accumulate: bool, roots: list,
+               nested: bool = False) -> tuple[tuple, list]:
     """``(inputs for the engine, the managed parameters named)``; raises before the
     pass for what cannot be right (see the note)."""
     mapped: list[Any] = []
@@ -70,6 +75,8 @@ def map_inputs(block: Any, inputs: tuple, accumulate: bool, roots: list) -> tupl
         return inputs, []
     if not accumulate:
         raise RetainError(_GRAD_OF_PARAMS.format(len(named)))
+    if nested:
+        raise RetainError(_NESTED_INPUTS.format(len(named)))
     if reaches_reentrant_checkpoint(roots):
         raise ValueError(_INPUTS_OVER_REENTRANT)
     return tuple(mapped), named
@@ -93,7 +100,16 @@ _GRAD_OF_PARAMS = (
     "would be zeros (or a local, unreduced gradient), never their gradient. Use "
     "loss.backward(inputs=params, retain_graph=True) (or block.backward(loss, "
     "inputs=params)), which computes, reduces and shards their gradients into .grad; "
-    "take torch.autograd.grad only with respect to activations."
+    "for one gradient per loss apart from .grad (torchjd's autogram, a Gramian "
+    "weighting), block.grads(loss) and fsdp_retain.gramian(grads); take "
+    "torch.autograd.grad only with respect to activations."
+)
+_NESTED_INPUTS = (
+    "a backward started inside another backward (from a custom autograd.Function's "
+    "backward or a hook) inside no_reshard_between_backwards names {} parameter(s) of "
+    "the FSDP model as inputs: the block cannot reduce a pass that runs inside another "
+    "one. Call loss.backward(inputs=params) (or block.backward(loss, inputs=params)) "
+    "outside any backward."
 )
 _INPUTS_OVER_REENTRANT = (
     "backward(inputs=...) inside no_reshard_between_backwards reaches a reentrant "

@@ -216,12 +216,12 @@ class BlockBase(abc.ABC):
         # Normally done at the pass end already; not if the loss reached no unit.
         self._end_probe()
 
-    def map_inputs(self, inputs: tuple, accumulate: bool, roots: list) -> tuple:
+    def map_inputs(self, inputs: tuple, accumulate: bool, roots: list, nested: bool = False) -> tuple:
         """The ``inputs`` of a pass (over the autograd nodes ``roots``), with managed
         parameters replaced by what the graph uses (``_pass_start``)."""
         if not self._installed or self._exited:
             return inputs
-        mapped, named = map_inputs(self, inputs, accumulate, roots)
+        mapped, named = map_inputs(self, inputs, accumulate, roots, nested)
         if named:
             self._selection.extend(self._select_grads(named))
         return mapped

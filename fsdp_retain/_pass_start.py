@@ -126,8 +126,11 @@ def _roots(outputs) -> list:
     return nodes
 
 
-def _map_inputs(watchers: list, roots: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Lets each watcher map the ``inputs`` of the pass (``()``: every leaf)."""
+def _map_inputs(watchers: list, roots: list, args: tuple, kwargs: dict,
+                nested: bool = False) -> tuple[tuple, dict]:
+    """Lets each watcher map the ``inputs`` of the pass (``()``: every leaf); ``nested``:
+    a backward run from inside another one's node (a custom Function's backward, as
+    torchjd's autogram does), which may not name managed parameters."""
     in_args = len(args) > _INPUTS_ARG
     inputs = args[_INPUTS_ARG] if in_args else kwargs.get("inputs")
     if not inputs:
@@ -135,7 +138,7 @@ def _map_inputs(watchers: list, roots: list, args: tuple, kwargs: dict) -> tuple
     accumulate = bool(kwargs.get("accumulate_grad", True))
     mapped = tuple(inputs)
     for watcher in watchers:
-        mapped = watcher.map_inputs(mapped, accumulate, roots)
+        mapped = watcher.map_inputs(mapped, accumulate, roots, nested)
     if in_args:
         return args[:_INPUTS_ARG] + (mapped,) + args[_INPUTS_ARG + 1 :], kwargs
     return args, {**kwargs, "inputs": mapped}
@@ -143,7 +146,10 @@ def _map_inputs(watchers: list, roots: list, args: tuple, kwargs: dict) -> tuple
 
 def _run_backward(outputs, *args, **kwargs):
     original = _original
-    if in_backward() or not _watchers:
+    if not _watchers:
+        return original(outputs, *args, **kwargs)
+    if in_backward():
+        args, kwargs = _map_inputs(list(_watchers), _roots(outputs), args, kwargs, nested=True)
         return original(outputs, *args, **kwargs)
     _refuse_compiled_autograd()
     watchers = list(_watchers)

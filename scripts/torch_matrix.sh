@@ -40,7 +40,7 @@ fi
 
 venv_root=${MATRIX_VENV_DIR:-${TMPDIR:-/tmp}}
 python=${PYTHON:-python3}
-pytest_args=(-q -p no:cacheprovider)
+pytest_args=(-q -p no:cacheprovider --durations=15)
 if [ "$subset" = 1 ]; then
   mapfile -t subset_tests < <(grep -v '^\s*\(#\|$\)' tests/matrix_subset.txt)
   pytest_args+=("${subset_tests[@]}")

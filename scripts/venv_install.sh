@@ -50,7 +50,7 @@ _venv_find_uv() {
 
 venv_make() {
   if _venv_find_uv; then
-    "$_uv" venv -q -p python3 "$1"
+    "$_uv" venv -q --seed -p python3 "$1"  # --seed: pip and setuptools, as python -m venv (inductor imports setuptools)
   else
     python3 -m venv "$1"
   fi

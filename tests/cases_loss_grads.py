@@ -17,6 +17,7 @@ to 1/world of the model's), and ``sync_grads="last"`` is refused with the fix na
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -177,3 +178,54 @@ def loss_grads_sync_last_refused() -> None:
         else:
             raise AssertionError("block.grads() ran under sync_grads='last'")
         LOSSES[1](out).backward()
+
+
+def _autogram(flavour: str) -> None:
+    """torchjd's ``autogram.Engine`` builds its Gramian with ``torch.autograd.grad`` on
+    the parameters: under FSDP it sees no parameter the forward used, so its Gramian
+    is silently zero and any weighting of it falls back to equal weights. Inside the
+    block that call is refused before anything is written (the fix named:
+    ``block.grads``), and a plain step after it is right."""
+    from torchjd.autogram import Engine
+
+    from fsdp_retain._common import RetainError
+
+    def gramian(model, use_block: bool):
+        engine = Engine(model, batch_dim=None)
+        ctx = no_reshard_between_backwards(model) if use_block else contextlib.nullcontext()
+        with ctx:
+            out = model(batch(0))
+            return engine.compute_gramian(torch.stack([f(out) for f in LOSSES]))
+
+    plain, _ = _wrap(flavour, make_net())
+    try:
+        silent = gramian(plain, use_block=False)
+    except Exception as exc:  # noqa: BLE001 - plain FSDP1 may crash instead
+        print(f"{flavour} without the library: {type(exc).__name__}: {exc}"[:300])
+    else:
+        assert float(silent.abs().max()) == 0.0, f"expected the silent zeros, got {silent}"
+    net = make_net()
+    ref = copy.deepcopy(net)
+    model, adapter = _wrap(flavour, net)
+    try:
+        gramian(model, use_block=True)
+    except (ValueError, RetainError) as exc:
+        assert "block.grads" in str(exc), exc
+    else:
+        raise AssertionError("autogram's autograd.grad on parameters was not refused")
+    assert all(p.grad is None for p in model.parameters()), "a gradient was written"
+    opt, ref_opt = sgd(model), sgd(ref)
+    x = batch(1)
+    LOSSES[0](model(x)).backward()
+    LOSSES[0](ref(x)).backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world()
+    opt.step()
+    ref_opt.step()
+    ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+    assert_close_dicts(adapter.full_params(model), ref_params, "a plain step after the refusal")
+
+
+registry.add("loss_grads_torchjd_autogram_caught_fsdp2", lambda: _autogram("fsdp2"))
+registry.add("loss_grads_torchjd_autogram_caught_fsdp1", lambda: _autogram("fsdp1_full_orig"))
