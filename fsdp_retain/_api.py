@@ -116,11 +116,9 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
     if flavour is None:
         inner = first_wrapped_submodule(model, lambda m: fsdp_flavour(m) is not None)
         if inner is not None:
-            raise ValueError(
-                f"no_reshard_between_backwards got a {type(model).__name__} that is not "
-                f"FSDP-wrapped itself but contains FSDP unit {inner!r}. Wrap the root too "
-                "(fully_shard(model) or FullyShardedDataParallel(model)) and pass it."
-            )
+            model = _root_inside_wrapper(model, inner)
+            flavour = fsdp_flavour(model)
+    if flavour is None:
         raise ValueError(
             f"no_reshard_between_backwards got a {type(model).__name__} that is not "
             "wrapped by FSDP: wrap it with fully_shard(...) or "
@@ -135,6 +133,38 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
     from ._fsdp1 import FSDP1Block
 
     return FSDP1Block(model, options)
+
+
+def _root_inside_wrapper(model: nn.Module, inner: str) -> nn.Module:
+    """The FSDP root inside a wrapper that holds no parameter of its own (a
+    LightningModule whose ``configure_model`` sharded ``self.net``, the module Fabric's
+    ``setup`` returns); a refusal naming the fix where the wrapper holds more."""
+    def is_unit(m: nn.Module) -> bool:
+        return fsdp_flavour(m) is not None
+
+    roots = [m for name, m in model.named_modules()
+             if m is not model and is_unit(m)
+             and not any(is_unit(a) for a in _ancestors(model, name))]
+    inside = {id(p) for r in roots for p in r.parameters()}
+    outside = [n for n, p in model.named_parameters() if id(p) not in inside]
+    if len(roots) == 1 and not outside:
+        return roots[0]
+    why = (f"{len(roots)} outermost FSDP units" if len(roots) > 1
+           else f"parameters outside it ({', '.join(outside[:3])})")
+    raise ValueError(
+        f"no_reshard_between_backwards got a {type(model).__name__} that is not "
+        f"FSDP-wrapped itself but contains FSDP unit {inner!r} and {why}. Wrap the root "
+        "too (fully_shard(model) or FullyShardedDataParallel(model)) and pass it; in "
+        "Lightning pass self.trainer.strategy.model (Trainer) or the module fabric.setup "
+        "returned (Fabric)."
+    )
+
+
+def _ancestors(model: nn.Module, name: str) -> Iterator[nn.Module]:
+    """The modules strictly between ``model`` and the submodule ``name``."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        yield model.get_submodule(".".join(parts[:i]))
 
 
 def _check_not_active(model: nn.Module) -> None:

@@ -67,6 +67,33 @@ def pre_backward(unit: Unit) -> None:
     handle._ran_pre_backward_hook = True
 
 
+def root_forward_running(model: Any) -> bool:
+    """Whether the root's forward started and has not returned: Lightning's
+    ``training_step`` (and its backward passes) runs inside it."""
+    fsdp = internals()
+    handle = model._handle
+    return model.training_state == fsdp.TrainingState.FORWARD_BACKWARD and (
+        handle is None or handle._training_state == fsdp.HandleTrainingState.FORWARD
+    )
+
+
+def end_root_forward(model: Any) -> None:
+    """What FSDP1's post-forward sets for the root (``_post_forward``,
+    ``_register_pre_backward_hooks``), for a pass that starts inside the root's
+    forward; its own post-forward, after the block, records the same again."""
+    fsdp = internals()
+    handle = model._handle
+    model._exec_order_data.record_post_forward(handle)
+    model._post_backward_callback_queued = False
+    if handle is not None:
+        # FSDP sets it when it hooks the root's outputs; there are none yet, and the
+        # passes start from inside, where the block runs the root's pre-backward.
+        handle._needs_pre_backward_unshard = True
+        handle._ran_pre_backward_hook = False
+        handle._training_state = fsdp.HandleTrainingState.IDLE
+    model.training_state = fsdp.TrainingState.IDLE
+
+
 def rearm(model: Any, units: list[Unit], recorder: ForwardRecorder) -> None:
     """Undoes what FSDP's root final callback assumes about "the" backward."""
     for unit in units:

@@ -131,6 +131,11 @@ class ForwardRecorder:
         self.forward_order: list[Any] = []  # FSDP's handles_post_forward_order
         self._unit_of: dict[int, Unit] = {}  # id(module inside a unit) -> its unit
         self._counted_hooks: list[Any] = []
+        # The block opened inside the root's forward (Lightning runs training_step
+        # there): its post-forward hooks run only after the block, so each pass start
+        # records what they would have (``record_forward``) when a unit ran forward since.
+        self.inside_root_forward = False
+        self.forwards_unrecorded = False
 
     def hook_root(self) -> Any:
         return self.model.register_forward_hook(self._after_forward)
@@ -172,10 +177,22 @@ class ForwardRecorder:
         for unit in self.units:
             unit.forget_forward()
 
+    def open_inside_root_forward(self, root: Unit | None) -> None:
+        """At install, inside the root's forward: its parameters are gathered and its
+        inner forward already started, so its ``AccumulateGrad`` node is taken now."""
+        self.inside_root_forward = True
+        if root is not None and root.flat_param.requires_grad:
+            self._capture_acc_grad(root, self.model, ())
+
     @loud
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if compiling() or not torch.is_grad_enabled():
             return
+        self.record_forward()
+
+    def record_forward(self) -> None:
+        """Each unit's per-forward fields, as FSDP1 left them after the forward."""
+        self.forwards_unrecorded = False
         for unit in self.units:
             handle = unit.handle
             unit.regather = handle._needs_pre_backward_unshard
@@ -192,8 +209,8 @@ class ForwardRecorder:
         if unit is not None:
             _record_nodes(unit.inner_nodes, output)
 
-    @staticmethod
-    def _record_outputs(unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+    def _record_outputs(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        self.forwards_unrecorded = True
         _record_nodes(unit.output_nodes, output)
 
     def _capture_acc_grad(self, unit: Unit, module: nn.Module, args: Any) -> None:

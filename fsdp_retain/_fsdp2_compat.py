@@ -85,6 +85,11 @@ def training_state_enum():
     return TrainingState
 
 
+def forward_running(state: Any) -> bool:
+    """Whether ``state``'s forward started and has not returned."""
+    return require_attr(state, "_training_state", FLAVOUR) == training_state_enum().FORWARD
+
+
 def grad_version(grad: torch.Tensor) -> tuple[int, int]:
     # In-place ops on a DTensor bump the DTensor's counter, not the local one's.
     local = getattr(grad, "_local_tensor", grad)

@@ -63,6 +63,12 @@ class ForwardNodes:
             return
         nodes = self._outputs.setdefault(state, [])
         nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
+        self.record_params(state)
+
+    def record_params(self, state: Any) -> None:
+        """The ``AccumulateGrad`` nodes of ``state``'s unsharded parameters: after its
+        forward, or at install inside the root's forward (Lightning runs
+        ``training_step`` there), whose outputs no pass reaches."""
         used = self._used.setdefault(state, [])
         for group in param_groups(state):
             for fsdp_param in group.fsdp_params:

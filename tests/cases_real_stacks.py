@@ -46,6 +46,7 @@ from tests import (
     cases_real_stacks_hf,
     cases_real_stacks_hooks,
     cases_real_stacks_reentrant,
+    cases_real_stacks_wrappers,
 )
 from tests.case_parts import combined
 
@@ -55,4 +56,5 @@ registry = combined(
     cases_real_stacks_guards,
     cases_real_stacks_hooks,
     cases_real_stacks_budget,
+    cases_real_stacks_wrappers,
 )

@@ -364,3 +364,34 @@ def test_gradient_projector_matches_per_sequence_gradients():
                     parts.append((p_out @ module.weight.grad @ p_in.T).flatten())
             expected = torch.cat(parts)
             torch.testing.assert_close(got[index][seq], expected, rtol=1e-4, atol=1e-6)
+
+
+LIGHTNING = [("trainer", 1, "lightning"), ("trainer", 1, "user"), ("trainer", 2, "user"),
+             ("fabric", 1, "user"), ("fabric", 2, "user")]
+
+
+def _lightning(api: str, fsdp: int, wrap: str, *extra: str) -> subprocess.CompletedProcess:
+    pytest.importorskip("lightning", reason="pip install fsdp-retain[lightning]")
+    args = ["--api", api, "--fsdp", str(fsdp), "--wrap", wrap, *extra]
+    # Lightning starts the second rank itself; its port from the environment.
+    return _run([sys.executable, str(EXAMPLES / "lightning_manual.py"), *args],
+                env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+
+
+@pytest.mark.parametrize("api,fsdp,wrap", LIGHTNING)
+def test_lightning_manual(api, fsdp, wrap):
+    """lightning_manual.py, Lightning on 2 CPU ranks (its FSDP1 strategies subclassed
+    with device_id=cpu): two manual_backward passes per step, 3 steps, every parameter
+    within 1e-6 of the one-process reference; with Lightning's own FSDP1 wrapping the
+    block opens inside the root's forward."""
+    out = _check_ok(_lightning(api, fsdp, wrap))
+    assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
+
+
+def test_lightning_manual_plain_fsdp1_fails():
+    """The same Trainer step without the block, Lightning's FSDP1 wrapping: FSDP1 refuses
+    a backward inside its root's forward (Lightning issue #19685)."""
+    proc = _lightning("trainer", 1, "lightning", "--no-library")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "agreement" not in proc.stdout

@@ -81,8 +81,9 @@ class _Watcher:
     def on_backward_start(self) -> None:
         self.calls.append("start")
 
-    def map_inputs(self, inputs: tuple, accumulate: bool, roots: list) -> tuple:
-        self.calls.append(f"inputs {len(inputs)} {accumulate}")
+    def map_inputs(self, inputs: tuple, accumulate: bool, roots: list,
+                   nested: bool) -> tuple:
+        self.calls.append(f"inputs {len(inputs)} {accumulate} {nested}")
         return inputs
 
     def after_backward(self) -> None:
@@ -159,9 +160,25 @@ def test_watchers_see_inputs_and_the_end_of_every_backward():
         (x * 2).sum().backward(inputs=[x])
         torch.autograd.grad((x * 3).sum(), x)
         assert watcher.calls == [
-            "inputs 1 True", "before", "start", "after",
-            "inputs 1 False", "before", "start", "after",
+            "inputs 1 True False", "before", "start", "after",
+            "inputs 1 False False", "before", "start", "after",
         ], watcher.calls
+        watcher.calls.clear()
+
+        class Nested(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                with torch.enable_grad():
+                    z = torch.ones(2, requires_grad=True)
+                    torch.autograd.grad((z * 2).sum(), z)
+                return g
+
+        Nested.apply(x).sum().backward()
+        assert "inputs 1 False True" in watcher.calls, watcher.calls
         watcher.calls.clear()
         y = (x * 2).sum()
         y.backward()
