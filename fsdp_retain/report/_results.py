@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ._config import ReportConfig
-from ._modes import BACKWARDS, MODES
+from ._modes import BACKWARDS, MODES, RECIPE
 from ._output import render_fit_table, write_report
 from ._rows import Report, ReportRow
 from ._runner import say
@@ -145,6 +145,22 @@ def add_check_comparisons(rows: list[ReportRow]) -> None:
             row.check_cost_ratio = row.step_time_s / keep.step_time_s
 
 
+def add_recipe_comparisons(rows: list[ReportRow]) -> None:
+    """Library rows of one forward per step: step time against ``fsdp2_recipe`` with the
+    same sync_grads (``last``: the recipe with gradient sync off for backward 1), same
+    backend and run (FSDP2 only: the recipe runs there)."""
+    for row in rows:
+        row.recipe_time_ratio = None
+        spec = MODES[row.mode]
+        if spec.block is None or spec.step is not None or not row.step_time_s:
+            continue
+        recipe = next((r for r in rows if r.backend == row.backend and r.mode == RECIPE
+                       and r.sync_grads == row.sync_grads and r.world_size == row.world_size
+                       and r.step_time_s), None)
+        if recipe is not None:
+            row.recipe_time_ratio = row.step_time_s / recipe.step_time_s
+
+
 def add_comparisons(rows: list[ReportRow], unsharded_bytes: int) -> None:
     """Fills savings and overheads against the ``two_forward`` row of each backend."""
     for row in rows:
@@ -222,6 +238,7 @@ def finish(cfg: ReportConfig, rows: list[ReportRow], meta: dict, world: int, dev
     add_comparisons(rows, meta.get("unsharded_param_bytes") or 0)
     add_probe_comparisons(rows)
     add_check_comparisons(rows)
+    add_recipe_comparisons(rows)
     report = Report(config_dict(cfg, world, meta, device), rows)
     paths = write_report(report, Path(cfg.out))
     if not cfg.simulate_world_size:
