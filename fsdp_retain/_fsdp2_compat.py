@@ -46,16 +46,34 @@ _GROUP_ATTRS = GROUP_FLAGS + (
 _PARAM_ATTRS = ("sharded_param", "_setattr_on_modules", "_orig_size", "orig_dtype", "param_dtype")
 
 
+# (type, names) already probed: the attributes are this torch's, the same for every
+# object of a type, so a block probes each type once per process, not every
+# parameter at every entry.
+_probed: set[tuple[type, tuple[str, ...]]] = set()
+
+
+def _require_once(obj: Any, names: tuple[str, ...]) -> None:
+    key = (type(obj), names)
+    if key not in _probed:
+        require_attrs(obj, names, FLAVOUR)
+        _probed.add(key)
+
+
+def forget_probes() -> None:
+    """Probes every type again at the next install (for tests that remove an attribute)."""
+    _probed.clear()
+
+
 def check_installable(root_state: Any, states: list[Any], groups: list[Any]) -> None:
     """Probes, at install, every FSDP2 attribute the block touches later."""
-    require_attrs(root_state, _ROOT_ATTRS, FLAVOUR)
-    require_attrs(root_state._comm_ctx, ("post_forward_order",), FLAVOUR)
+    _require_once(root_state, _ROOT_ATTRS)
+    _require_once(root_state._comm_ctx, ("post_forward_order",))
     for state in states:
-        require_attrs(state, _STATE_ATTRS, FLAVOUR)
+        _require_once(state, _STATE_ATTRS)
     for group in groups:
-        require_attrs(group, _GROUP_ATTRS, FLAVOUR)
-        for fsdp_param in group.fsdp_params:
-            require_attrs(fsdp_param, _PARAM_ATTRS, FLAVOUR)
+        _require_once(group, _GROUP_ATTRS)
+        if group.fsdp_params:
+            _require_once(group.fsdp_params[0], _PARAM_ATTRS)
 
 
 def _fsdp_module_class() -> type | None:

@@ -10,6 +10,7 @@ them uses the state (``_pass_start.will_run`` answers inside a pass).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,25 @@ import torch.nn as nn
 from . import _pass_start
 from ._common import compiling, grad_tensors, require_attr
 from ._fsdp2_compat import FLAVOUR, local_storage, param_groups
+
+
+# FSDPParam -> (its unsharded parameter, that parameter's AccumulateGrad node), kept
+# across blocks: the node autograd uses for a leaf lives as long as someone holds it,
+# so every forward's graph reuses this one and a block need not look it up per
+# parameter (an ``expand_as`` each) at every forward. A new unsharded parameter
+# object (FSDP2 re-created it) is looked up again; an FSDPParam that is gone drops
+# its entry.
+_accumulate_nodes: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _accumulate_node(fsdp_param: Any, param: torch.Tensor) -> Any:
+    cached = _accumulate_nodes.get(fsdp_param)
+    if cached is not None and cached[0] is param:
+        return cached[1]
+    with torch.enable_grad():
+        node = param.expand_as(param).grad_fn.next_functions[0][0]
+    _accumulate_nodes[fsdp_param] = (param, node)
+    return node
 
 
 class ForwardNodes:
@@ -70,5 +90,4 @@ class ForwardNodes:
                 if param.requires_grad and local_storage(param).nbytes() > 0:
                     # The AccumulateGrad node this forward's graph uses. Units
                     # resharded after forward are found by their inputs instead.
-                    with torch.enable_grad():
-                        used.append(param.expand_as(param).grad_fn.next_functions[0][0])
+                    used.append(_accumulate_node(fsdp_param, param))

@@ -19,12 +19,13 @@ def fsdp2_units(model) -> list[Any]:
     """Every ``FSDPModule`` of ``model``; ``ValueError`` if it is not FSDP2."""
     from torch.distributed.fsdp import FSDPModule
 
-    if not isinstance(model, FSDPModule):
+    if not isinstance(model, FSDPModule):  # also refuses a DeepSpeed engine
         raise ValueError(
             f"this mode calls FSDP2's own methods and got {type(model).__name__}: run it with "
             "--backend fsdp2 (a model wrapped with fully_shard)"
         )
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    root: Any = model  # an nn.Module (FSDPModule is a mixin)
+    return [m for m in root.modules() if isinstance(m, FSDPModule)]
 
 
 def _restore_defaults(model) -> None:

@@ -154,11 +154,11 @@ def add_recipe_comparisons(rows: list[ReportRow]) -> None:
         spec = MODES[row.mode]
         if spec.block is None or spec.step is not None or not row.step_time_s:
             continue
-        recipe = next((r for r in rows if r.backend == row.backend and r.mode == RECIPE
-                       and r.sync_grads == row.sync_grads and r.world_size == row.world_size
-                       and r.step_time_s), None)
-        if recipe is not None:
-            row.recipe_time_ratio = row.step_time_s / recipe.step_time_s
+        recipe = next((r.step_time_s for r in rows if r.backend == row.backend
+                       and r.mode == RECIPE and r.sync_grads == row.sync_grads
+                       and r.world_size == row.world_size and r.step_time_s), None)
+        if recipe:
+            row.recipe_time_ratio = row.step_time_s / recipe
 
 
 def add_comparisons(rows: list[ReportRow], unsharded_bytes: int) -> None:
