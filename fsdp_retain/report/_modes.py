@@ -70,7 +70,8 @@ class ModeSpec:
     ``BACKWARDS`` passes: ``"recipe"`` (FSDP2 alone, see ``_fsdp2_steps.py``),
     ``"accumulate"`` (two micro-batches of gradient accumulation, each in a
     block), ``"accumulate_gathered"`` (the same with the user's
-    ``set_reshard_after_backward(False)``).
+    ``set_reshard_after_backward(False)``); ``short_what``: ``what`` in the plot's
+    legend.
     """
 
     name: str
@@ -83,6 +84,7 @@ class ModeSpec:
     budget: float | None = None
     expected_crash: dict[str, str] = dataclasses.field(default_factory=dict)
     step: str | None = None
+    short_what: str | None = None  # ``what`` in the plot's legend, if shorter
 
 
 def _fsdp2_only(mode: str) -> dict[str, str]:
@@ -128,19 +130,21 @@ MODES: dict[str, ModeSpec] = {
                  "set_reshard_after_forward(False) and set_reshard_after_backward(False) on "
                  "every unit, both backwards, reshard() of every unit after the last",
                  sync_grads=("every", "last"), bound=_keep_bound,
-                 expected_crash=_fsdp2_only("fsdp2_recipe"), step="recipe"),
+                 expected_crash=_fsdp2_only("fsdp2_recipe"), step="recipe",
+                 short_what="FSDP2 alone (pytorch #172543)"),
         ModeSpec("accum", "two micro-batches of gradient accumulation (the step's batch "
                  "twice; gradient sync off for the first), each a block with "
                  "keep_unsharded=True and its two backwards; FSDP2 reshards after each",
                  block=dict(keep_unsharded=True), sync_grads=("every", "last"),
                  bound=_accumulate_bound, expected_crash=_fsdp2_only("accum"),
-                 step="accumulate"),
+                 step="accumulate", short_what="2 micro-batches"),
         ModeSpec("accum_gathered", "as accum, with the user's set_reshard_after_backward(False) "
                  "on every unit (parameters stay gathered across micro-batches) and the "
                  "user's reshard() of every unit after the last micro-batch",
                  block=dict(keep_unsharded=True), sync_grads=("every", "last"),
                  bound=_accumulate_bound, expected_crash=_fsdp2_only("accum_gathered"),
-                 step="accumulate_gathered"),
+                 step="accumulate_gathered",
+                 short_what="2 micro-batches, the user's set_reshard_after_backward(False)"),
     )
 }
 # Library rows compared with the recipe (``add_recipe_comparisons``): mode -> the recipe.
@@ -155,10 +159,11 @@ def mode_legend(label: str, *, short: bool = False) -> str:
     """What a mode label means, e.g. ``keep:last`` -> the library call with its options;
     ``short``: the options only (for the plot)."""
     mode = Mode.parse(label)
+    what = (mode.spec.short_what if short else None) or mode.spec.what
     if not mode.uses_library:
         if mode.spec.step == "recipe" and mode.sync_grads == "last":
-            return mode.spec.what + "; set_requires_gradient_sync(False) for backward 1"
-        return mode.spec.what
+            return what + "; set_requires_gradient_sync(False) for backward 1"
+        return what
     budget = mode.spec.budget
     options: dict[str, object] = {
         key: value for key, value in mode.block_options(0 if budget is not None else None).items()
@@ -166,14 +171,15 @@ def mode_legend(label: str, *, short: bool = False) -> str:
     }
     if budget is not None:
         options["keep_unsharded"] = f"<{budget:.0%} of the unsharded parameter bytes>"
-    prefix = f"{mode.spec.what}: " if mode.spec.step and not short else ""
+    prefix = f"{what}: " if mode.spec.step else ""
     text = ", ".join(
         f"{key}={value}" if not isinstance(value, str) or value.startswith("<")
         else f'{key}="{value}"'
         for key, value in options.items()
     )
     if not short:
-        text = f"{prefix}no_reshard_between_backwards(model, {text})"
+        text = f"no_reshard_between_backwards(model, {text})"
+    text = prefix + text
     if mode.spec.probe:
         text += ("; backward 1 a probe pass" if short
                  else "; backward 1 is a probe pass, block.backward(loss, param_grads=False)")
