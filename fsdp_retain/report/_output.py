@@ -176,13 +176,18 @@ def _check_lines(rows: list[ReportRow]) -> list[str]:
 
 
 def _recipe_lines(rows: list[ReportRow]) -> list[str]:
-    compared = [r for r in rows if r.recipe_time_ratio is not None]
-    if not compared:
+    recipes = [r for r in rows if r.library_time_ratios]
+    if not recipes:
         return []
+    parts = [
+        f"{r.backend} " + ", ".join(f"`{label}` {ratio:.2f}x"
+                                    for label, ratio in (r.library_time_ratios or {}).items())
+        + f" (of {_mode_cell(r)})"
+        for r in recipes
+    ]
     return ["The block's own cost over FSDP2 alone (step time against `fsdp2_recipe` with the "
             "same sync_grads, same run; `:last` against the recipe with gradient sync off for "
-            "backward 1): "
-            + ", ".join(f"{_mode_cell(r)} {r.recipe_time_ratio:.2f}x" for r in compared) + "."]
+            "backward 1): " + "; ".join(parts) + "."]
 
 
 def render_markdown(report: Report) -> str:

@@ -146,19 +146,22 @@ def add_check_comparisons(rows: list[ReportRow]) -> None:
 
 
 def add_recipe_comparisons(rows: list[ReportRow]) -> None:
-    """Library rows of one forward per step: step time against ``fsdp2_recipe`` with the
-    same sync_grads (``last``: the recipe with gradient sync off for backward 1), same
-    backend and run (FSDP2 only: the recipe runs there)."""
+    """``fsdp2_recipe`` rows: the step time of each library row of one forward per step
+    with the same sync_grads (``last``: against the recipe with gradient sync off for
+    backward 1), same backend and run, over the recipe's."""
     for row in rows:
-        row.recipe_time_ratio = None
-        spec = MODES[row.mode]
-        if spec.block is None or spec.step is not None or not row.step_time_s:
+        if row.mode != RECIPE:
             continue
-        recipe = next((r.step_time_s for r in rows if r.backend == row.backend
-                       and r.mode == RECIPE and r.sync_grads == row.sync_grads
-                       and r.world_size == row.world_size and r.step_time_s), None)
-        if recipe:
-            row.recipe_time_ratio = row.step_time_s / recipe
+        row.library_time_ratios = None
+        if not row.step_time_s:
+            continue
+        ratios = {
+            r.label: r.step_time_s / row.step_time_s for r in rows
+            if MODES[r.mode].block is not None and MODES[r.mode].step is None
+            and r.backend == row.backend and r.sync_grads == row.sync_grads
+            and r.world_size == row.world_size and r.step_time_s
+        }
+        row.library_time_ratios = ratios or None
 
 
 def add_comparisons(rows: list[ReportRow], unsharded_bytes: int) -> None:

@@ -70,14 +70,14 @@ class ReportRow:
     memory_bound_bytes: int | None = None
     memory_bound: str | None = None  # why the bound is what it is
     within_bound: bool | None = None
-    # Step time against fsdp2_recipe with the same sync_grads, same run: the block's own
-    # cost over FSDP2 alone (``add_recipe_comparisons``; library rows on FSDP2).
-    recipe_time_ratio: float | None = None
     # Backward 1 against keep's, and projected onto an H200 step (``add_probe_comparisons``).
     probe_backward_ratio: float | None = _only("probe")
     projected_h200_step_ratio: float | None = _only("probe")
     # Step time against keep's (``add_check_comparisons``).
     check_cost_ratio: float | None = _only("check")
+    # Label -> step time of each library row of one forward with this row's sync_grads,
+    # over this row's: the block's own cost over FSDP2 alone (``add_recipe_comparisons``).
+    library_time_ratios: dict[str, float] | None = _only("fsdp2_recipe")
 
     @classmethod
     def json_keys(cls, mode: str) -> list[str]:
