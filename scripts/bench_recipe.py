@@ -24,7 +24,9 @@ It prints the all-gathers and reduce-scatters of one counted step per way (the
 library and the recipe must match), the median step time per way (a step lasts
 until its slowest rank is done), and the block's overhead: ``library / recipe`` and
 ``library_last / recipe_sync_last``, as the ratio of medians and as the median of
-the per-round ratios (steadier on a shared CPU). ``--profile DIR`` writes a cProfile
+the per-round ratios (steadier on a shared CPU), and the block's own milliseconds
+(median of the per-round differences). ``--nproc 1 --batch 1`` leaves little but
+the block's Python work to compare. ``--profile DIR`` writes a cProfile
 of rank 0's steps of ``--profile-way`` (``library``; after the timed rounds) and prints its top entries.
 """
 
@@ -162,8 +164,10 @@ def render(args, times: dict[str, list[float]], counts: dict) -> str:
     for lib, recipe in PAIRS:
         of_medians = statistics.median(times[lib]) / statistics.median(times[recipe])
         per_round = statistics.median(a / b for a, b in zip(times[lib], times[recipe]))
+        extra = statistics.median(a - b for a, b in zip(times[lib], times[recipe]))
         lines.append(f"{lib} / {recipe}: {of_medians:.3f}x (ratio of medians), "
-                     f"{per_round:.3f}x (median of per-round ratios)")
+                     f"{per_round:.3f}x (median of per-round ratios), "
+                     f"{1e3 * extra:+.2f} ms (median of per-round differences)")
     return "\n".join(lines)
 
 
