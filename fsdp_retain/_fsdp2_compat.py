@@ -128,13 +128,25 @@ def backward_order(states: list[Any]) -> list[tuple[Any, int]]:
     return [(group, unsharded_bytes(group)) for group in root + rest[::-1]]
 
 
+# On a group: (id of its fsdp_params list, their count, their unsharded bytes). Sizes
+# and dtypes are fixed at fully_shard, so a block entry need not sum over every
+# parameter; kept on the group (plain ints), so it goes with the model.
+_BYTES_ATTR = "_fsdp_retain_unsharded_bytes"
+
+
 def unsharded_bytes(group: Any) -> int:
     """Bytes of a parameter group's unsharded parameters on one rank."""
-    return sum(
+    params = group.fsdp_params
+    cached = getattr(group, _BYTES_ATTR, None)
+    if cached is not None and cached[:2] == (id(params), len(params)):
+        return cached[2]
+    total = sum(
         fsdp_param._orig_size.numel()
         * (fsdp_param.param_dtype or fsdp_param.orig_dtype).itemsize
-        for fsdp_param in group.fsdp_params
+        for fsdp_param in params
     )
+    setattr(group, _BYTES_ATTR, (id(params), len(params), total))
+    return total
 
 
 def clear_unsharded_grad(fsdp_param: Any) -> None:

@@ -10,7 +10,6 @@ them uses the state (``_pass_start.will_run`` answers inside a pass).
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -22,22 +21,35 @@ from ._common import compiling, grad_tensors, require_attr
 from ._fsdp2_compat import FLAVOUR, local_storage, param_groups
 
 
-# FSDPParam -> (its unsharded parameter, that parameter's AccumulateGrad node), kept
-# across blocks: the node autograd uses for a leaf lives as long as someone holds it,
-# so every forward's graph reuses this one and a block need not look it up per
-# parameter (an ``expand_as`` each) at every forward. A new unsharded parameter
-# object (FSDP2 re-created it) is looked up again; an FSDPParam that is gone drops
-# its entry.
-_accumulate_nodes: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+_NODE_ATTR = "_fsdp_retain_accumulate_node"
+
+
+class _CachedNode:
+    """An unsharded parameter and its AccumulateGrad node, kept on the FSDPParam across
+    blocks: the node autograd uses for a leaf lives as long as someone holds it, so
+    every forward's graph reuses this one and a block need not look it up per
+    parameter (an ``expand_as`` each) at every forward. Held by the FSDPParam, not a
+    global table, so it goes with the model; a copy of the model looks it up again."""
+
+    __slots__ = ("param", "node")
+
+    def __init__(self, param: Any = None, node: Any = None) -> None:
+        self.param, self.node = param, node
+
+    def __deepcopy__(self, memo: dict) -> _CachedNode:
+        return _CachedNode()
+
+    def __reduce__(self) -> tuple:
+        return (_CachedNode, ())
 
 
 def _accumulate_node(fsdp_param: Any, param: torch.Tensor) -> Any:
-    cached = _accumulate_nodes.get(fsdp_param)
-    if cached is not None and cached[0] is param:
-        return cached[1]
+    cached = getattr(fsdp_param, _NODE_ATTR, None)
+    if cached is not None and cached.param is param:
+        return cached.node  # a new unsharded parameter object is looked up again
     with torch.enable_grad():
         node = param.expand_as(param).grad_fn.next_functions[0][0]
-    _accumulate_nodes[fsdp_param] = (param, node)
+    setattr(fsdp_param, _NODE_ATTR, _CachedNode(param, node))
     return node
 
 
