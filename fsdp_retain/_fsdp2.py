@@ -43,6 +43,7 @@ inside the unit.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -164,6 +165,21 @@ class FSDP2Block(BlockBase):
                         self._show_unsharded_before_forward, prepend=True
                     )
                     self._forward_hooks.append(handle)
+
+    def _block_params(self) -> Callable[[], Iterable[torch.Tensor]]:
+        def params() -> list[torch.Tensor]:
+            # Not installed yet (FSDP2 picks its root at the first forward): the
+            # modules still show what they showed at entry.
+            found = []
+            for group in self._groups:
+                for fsdp_param in group.fsdp_params:
+                    found.append(fsdp_param.sharded_param)
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        found.append(unsharded)
+            return found
+
+        return params
 
     def _kept_count(self) -> int:
         """Parameter groups kept unsharded between passes (for tests)."""

@@ -46,16 +46,34 @@ _GROUP_ATTRS = GROUP_FLAGS + (
 _PARAM_ATTRS = ("sharded_param", "_setattr_on_modules", "_orig_size", "orig_dtype", "param_dtype")
 
 
+# (type, names) already probed: the attributes are this torch's, the same for every
+# object of a type, so a block probes each type once per process, not every
+# parameter at every entry.
+_probed: set[tuple[type, tuple[str, ...]]] = set()
+
+
+def _require_once(obj: Any, names: tuple[str, ...]) -> None:
+    key = (type(obj), names)
+    if key not in _probed:
+        require_attrs(obj, names, FLAVOUR)
+        _probed.add(key)
+
+
+def forget_probes() -> None:
+    """Probes every type again at the next install (for tests that remove an attribute)."""
+    _probed.clear()
+
+
 def check_installable(root_state: Any, states: list[Any], groups: list[Any]) -> None:
     """Probes, at install, every FSDP2 attribute the block touches later."""
-    require_attrs(root_state, _ROOT_ATTRS, FLAVOUR)
-    require_attrs(root_state._comm_ctx, ("post_forward_order",), FLAVOUR)
+    _require_once(root_state, _ROOT_ATTRS)
+    _require_once(root_state._comm_ctx, ("post_forward_order",))
     for state in states:
-        require_attrs(state, _STATE_ATTRS, FLAVOUR)
+        _require_once(state, _STATE_ATTRS)
     for group in groups:
-        require_attrs(group, _GROUP_ATTRS, FLAVOUR)
-        for fsdp_param in group.fsdp_params:
-            require_attrs(fsdp_param, _PARAM_ATTRS, FLAVOUR)
+        _require_once(group, _GROUP_ATTRS)
+        if group.fsdp_params:
+            _require_once(group.fsdp_params[0], _PARAM_ATTRS)
 
 
 def _fsdp_module_class() -> type | None:
@@ -115,13 +133,25 @@ def backward_order(states: list[Any]) -> list[tuple[Any, int]]:
     return [(group, unsharded_bytes(group)) for group in root + rest[::-1]]
 
 
+# On a group: (id of its fsdp_params list, their count, their unsharded bytes). Sizes
+# and dtypes are fixed at fully_shard, so a block entry need not sum over every
+# parameter; kept on the group (plain ints), so it goes with the model.
+_BYTES_ATTR = "_fsdp_retain_unsharded_bytes"
+
+
 def unsharded_bytes(group: Any) -> int:
     """Bytes of a parameter group's unsharded parameters on one rank."""
-    return sum(
+    params = group.fsdp_params
+    cached = getattr(group, _BYTES_ATTR, None)
+    if cached is not None and cached[:2] == (id(params), len(params)):
+        return cached[2]
+    total = sum(
         fsdp_param._orig_size.numel()
         * (fsdp_param.param_dtype or fsdp_param.orig_dtype).itemsize
-        for fsdp_param in group.fsdp_params
+        for fsdp_param in params
     )
+    setattr(group, _BYTES_ATTR, (id(params), len(params), total))
+    return total
 
 
 def clear_unsharded_grad(fsdp_param: Any) -> None:

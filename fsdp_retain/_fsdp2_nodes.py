@@ -21,6 +21,38 @@ from ._common import compiling, grad_tensors, require_attr
 from ._fsdp2_compat import FLAVOUR, local_storage, param_groups
 
 
+_NODE_ATTR = "_fsdp_retain_accumulate_node"
+
+
+class _CachedNode:
+    """An unsharded parameter and its AccumulateGrad node, kept on the FSDPParam across
+    blocks: the node autograd uses for a leaf lives as long as someone holds it, so
+    every forward's graph reuses this one and a block need not look it up per
+    parameter (an ``expand_as`` each) at every forward. Held by the FSDPParam, not a
+    global table, so it goes with the model; a copy of the model looks it up again."""
+
+    __slots__ = ("param", "node")
+
+    def __init__(self, param: Any = None, node: Any = None) -> None:
+        self.param, self.node = param, node
+
+    def __deepcopy__(self, memo: dict) -> _CachedNode:
+        return _CachedNode()
+
+    def __reduce__(self) -> tuple:
+        return (_CachedNode, ())
+
+
+def _accumulate_node(fsdp_param: Any, param: torch.Tensor) -> Any:
+    cached = getattr(fsdp_param, _NODE_ATTR, None)
+    if cached is not None and cached.param is param:
+        return cached.node  # a new unsharded parameter object is looked up again
+    with torch.enable_grad():
+        node = param.expand_as(param).grad_fn.next_functions[0][0]
+    setattr(fsdp_param, _NODE_ATTR, _CachedNode(param, node))
+    return node
+
+
 class ForwardNodes:
     """The recorded nodes, per FSDP2 state."""
 
@@ -76,5 +108,4 @@ class ForwardNodes:
                 if param.requires_grad and local_storage(param).nbytes() > 0:
                     # The AccumulateGrad node this forward's graph uses. Units
                     # resharded after forward are found by their inputs instead.
-                    with torch.enable_grad():
-                        used.append(param.expand_as(param).grad_fn.next_functions[0][0])
+                    used.append(_accumulate_node(fsdp_param, param))

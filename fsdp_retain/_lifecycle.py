@@ -28,6 +28,7 @@ Passes with ``inputs=``: see [Note: inputs that name parameters] in ``_inputs.py
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -268,12 +269,17 @@ class BlockBase(abc.ABC):
             "FSDP1, FSDP2 and DeepSpeed ZeRO-3 support it."
         )
 
+    def _block_params(self) -> Callable[[], Iterable[torch.Tensor]] | None:
+        """What ``refuse_step`` asks at a step for the parameter objects the backend
+        registers on the model (``None``: it takes ``model.parameters()`` at entry)."""
+        return None
+
     # Entry and exit #
     def enter(self) -> None:
         setattr(self.model, ACTIVE_ATTR, True)
         try:
             # See [Note: why an optimizer step inside the block is refused].
-            self._step_hook = refuse_step(self.model)
+            self._step_hook = refuse_step(self.model, self._block_params())
             if self.options.check_saved_tensors:
                 self._saved_check = SavedTensorCheck()
                 self._saved_check.push()

@@ -20,6 +20,7 @@ a parameter by hand is not seen.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,17 +30,24 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ._common import RetainError
 
 
-def refuse_step(model: nn.Module) -> Any:
+def refuse_step(
+    model: nn.Module, block_params: Callable[[], Iterable[torch.Tensor]] | None = None
+) -> Any:
     """Installs the refusal for ``model``'s parameters; returns the hook handle.
 
-    The parameters are taken now and again at each step: FSDP2 registers
+    The parameters are taken again at each step, and either now or, with
+    ``block_params`` (every parameter object the backend registers on the
+    modules, sharded or not), from the backend at the step: FSDP2 registers
     unsharded parameters on the module while it holds them, and the optimizer
-    was built over the sharded ones.
+    was built over the sharded ones. ``block_params`` spares every entry a walk
+    over the model's parameters.
     """
-    at_entry = {id(p) for p in model.parameters()}
+    at_entry = set() if block_params is not None else {id(p) for p in model.parameters()}
 
     def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         mine = at_entry | {id(p) for p in model.parameters()}
+        if block_params is not None:
+            mine.update(id(p) for p in block_params())
         if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
             raise RetainError(
                 f"{type(optimizer).__name__}.step() was called inside "

@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from fsdp_retain import no_reshard_between_backwards
+from fsdp_retain import _fsdp2_compat, no_reshard_between_backwards
 from fsdp_retain._fsdp1_inspect import fsdp1_snapshot
 from fsdp_retain._fsdp2_inspect import fsdp2_snapshot
 from tests import fsdp1_utils as f1
@@ -58,6 +58,8 @@ def _refused_at_entry(model, snapshot, missing, what: str) -> None:
     _two_passes(model)  # FSDP's lazy init: the block then installs at its entry
     before = snapshot(model)
     version = torch.__version__.replace("+", r"\+")
+    # FSDP2 probes each type once per process: as if this torch lacked it from the start.
+    _fsdp2_compat.forget_probes()
     with missing():
         with pytest.raises(RuntimeError, match=rf"{what}' is missing in torch {version}"):
             with no_reshard_between_backwards(model):

@@ -156,7 +156,7 @@ def _without_guard(backend: str) -> None:
         if backend == "fsdp1_flat"
         else contextlib.nullcontext()
     )
-    with mock.patch.object(_lifecycle, "refuse_step", lambda model: _NoHook()):
+    with mock.patch.object(_lifecycle, "refuse_step", lambda model, *params: _NoHook()):
         with no_reshard_between_backwards(model):
             out = model(batch(0))
             LOSSES[0](out).backward(retain_graph=True)

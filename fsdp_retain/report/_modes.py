@@ -42,6 +42,13 @@ def _budget_bound(fraction: float) -> Bound:
     return bound
 
 
+def _accumulate_bound(sync_grads: str | None, baseline_peak: int,
+                      unsharded: int) -> tuple[int, str]:
+    # Gradient sync is off for micro-batch 1: its unsharded grads wait for micro-batch 2.
+    return (int((1 + KEEP_SLACK) * 2 * unsharded),
+            f"unsharded params + unsharded grads of all units {KEEP_SLACK_TEXT}")
+
+
 def _regather_bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> tuple[int, str]:
     return int(REGATHER_SLACK * baseline_peak), f"{REGATHER_SLACK_TEXT} of two_forward peak"
 
@@ -58,7 +65,13 @@ class ModeSpec:
     (``block.backward(loss, param_grads=False)``); ``budget``: ``keep_unsharded``
     is this fraction of the model's unsharded parameter bytes (a byte budget);
     ``expected_crash``: backend -> why this mode is expected to fail there (its
-    row then records the crash and does not count as a failed row).
+    row then records the crash and does not count as a failed row); ``step``:
+    how ``_step.train_step`` runs it when not the plain one forward and
+    ``BACKWARDS`` passes: ``"recipe"`` (FSDP2 alone, see ``_fsdp2_steps.py``),
+    ``"accumulate"`` (two micro-batches of gradient accumulation, each in a
+    block), ``"accumulate_gathered"`` (the same with the user's
+    ``set_reshard_after_backward(False)``); ``short_what``: ``what`` in the plot's
+    legend.
     """
 
     name: str
@@ -70,6 +83,13 @@ class ModeSpec:
     probe: bool = False
     budget: float | None = None
     expected_crash: dict[str, str] = dataclasses.field(default_factory=dict)
+    step: str | None = None
+    short_what: str | None = None  # ``what`` in the plot's legend, if shorter
+
+
+def _fsdp2_only(mode: str) -> dict[str, str]:
+    why = f"{mode} calls FSDP2's own methods (FSDPModule): an FSDP2-only mode"
+    return {"fsdp1": why, "deepspeed": why}
 
 
 MODES: dict[str, ModeSpec] = {
@@ -106,8 +126,29 @@ MODES: dict[str, ModeSpec] = {
                      bound=_budget_bound(pct / 100), budget=pct / 100)
             for pct in (25, 50, 75)
         ),
+        ModeSpec("fsdp2_recipe", "FSDP2 alone, the recipe of pytorch #172543: "
+                 "set_reshard_after_forward(False) and set_reshard_after_backward(False) on "
+                 "every unit, both backwards, reshard() of every unit after the last",
+                 sync_grads=("every", "last"), bound=_keep_bound,
+                 expected_crash=_fsdp2_only("fsdp2_recipe"), step="recipe",
+                 short_what="FSDP2 alone (pytorch #172543)"),
+        ModeSpec("accum", "two micro-batches of gradient accumulation (the step's batch "
+                 "twice; gradient sync off for the first), each a block with "
+                 "keep_unsharded=True and its two backwards; FSDP2 reshards after each",
+                 block=dict(keep_unsharded=True), sync_grads=("every", "last"),
+                 bound=_accumulate_bound, expected_crash=_fsdp2_only("accum"),
+                 step="accumulate", short_what="2 micro-batches"),
+        ModeSpec("accum_gathered", "as accum, with the user's set_reshard_after_backward(False) "
+                 "on every unit (parameters stay gathered across micro-batches) and the "
+                 "user's reshard() of every unit after the last micro-batch",
+                 block=dict(keep_unsharded=True), sync_grads=("every", "last"),
+                 bound=_accumulate_bound, expected_crash=_fsdp2_only("accum_gathered"),
+                 step="accumulate_gathered",
+                 short_what="2 micro-batches, the user's set_reshard_after_backward(False)"),
     )
 }
+# Library rows compared with the recipe (``add_recipe_comparisons``): mode -> the recipe.
+RECIPE = "fsdp2_recipe"
 DEFAULT_MODES = ("two_forward", "naive", "keep:every", "keep:last", "probe:every",
                  "check:every", "regather:every")
 # Modes whose timed steps also stamp their phases (backward 1, forward 2).
@@ -118,8 +159,11 @@ def mode_legend(label: str, *, short: bool = False) -> str:
     """What a mode label means, e.g. ``keep:last`` -> the library call with its options;
     ``short``: the options only (for the plot)."""
     mode = Mode.parse(label)
+    what = (mode.spec.short_what if short else None) or mode.spec.what
     if not mode.uses_library:
-        return mode.spec.what
+        if mode.spec.step == "recipe" and mode.sync_grads == "last":
+            return what + "; set_requires_gradient_sync(False) for backward 1"
+        return what
     budget = mode.spec.budget
     options: dict[str, object] = {
         key: value for key, value in mode.block_options(0 if budget is not None else None).items()
@@ -127,6 +171,7 @@ def mode_legend(label: str, *, short: bool = False) -> str:
     }
     if budget is not None:
         options["keep_unsharded"] = f"<{budget:.0%} of the unsharded parameter bytes>"
+    prefix = f"{what}: " if mode.spec.step else ""
     text = ", ".join(
         f"{key}={value}" if not isinstance(value, str) or value.startswith("<")
         else f'{key}="{value}"'
@@ -134,6 +179,7 @@ def mode_legend(label: str, *, short: bool = False) -> str:
     )
     if not short:
         text = f"no_reshard_between_backwards(model, {text})"
+    text = prefix + text
     if mode.spec.probe:
         text += ("; backward 1 a probe pass" if short
                  else "; backward 1 is a probe pass, block.backward(loss, param_grads=False)")

@@ -175,6 +175,21 @@ def _check_lines(rows: list[ReportRow]) -> list[str]:
             + ", ".join(f"{r.backend} {r.check_cost_ratio:.2f}x" for r in checks) + "."]
 
 
+def _recipe_lines(rows: list[ReportRow]) -> list[str]:
+    recipes = [r for r in rows if r.library_time_ratios]
+    if not recipes:
+        return []
+    parts = [
+        f"{r.backend} " + ", ".join(f"`{label}` {ratio:.2f}x"
+                                    for label, ratio in (r.library_time_ratios or {}).items())
+        + f" (of {_mode_cell(r)})"
+        for r in recipes
+    ]
+    return ["The block's own cost over FSDP2 alone (step time against `fsdp2_recipe` with the "
+            "same sync_grads, same run; `:last` against the recipe with gradient sync off for "
+            "backward 1): " + "; ".join(parts) + "."]
+
+
 def render_markdown(report: Report) -> str:
     """A table a user can paste in an issue, with the command and the setup above it."""
     cfg, rows = report.config, report.rows
@@ -183,7 +198,7 @@ def render_markdown(report: Report) -> str:
     lines = _header(cfg, unit, size) + [""] + _legend(rows) + [""] + _memory_table(rows, unit, size)
     if not cfg["simulated"]:
         lines += [""] + _time_table(ok_rows)
-        for extra in (_probe_lines(ok_rows), _check_lines(ok_rows)):
+        for extra in (_probe_lines(ok_rows), _check_lines(ok_rows), _recipe_lines(ok_rows)):
             if extra:
                 lines += [""] + extra
     no_breakdown = [r for r in ok_rows if r.breakdown_error]

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ._config import ReportConfig
-from ._modes import BACKWARDS, MODES
+from ._modes import BACKWARDS, MODES, RECIPE
 from ._output import render_fit_table, write_report
 from ._rows import Report, ReportRow
 from ._runner import say
@@ -145,6 +145,25 @@ def add_check_comparisons(rows: list[ReportRow]) -> None:
             row.check_cost_ratio = row.step_time_s / keep.step_time_s
 
 
+def add_recipe_comparisons(rows: list[ReportRow]) -> None:
+    """``fsdp2_recipe`` rows: the step time of each library row of one forward per step
+    with the same sync_grads (``last``: against the recipe with gradient sync off for
+    backward 1), same backend and run, over the recipe's."""
+    for row in rows:
+        if row.mode != RECIPE:
+            continue
+        row.library_time_ratios = None
+        if not row.step_time_s:
+            continue
+        ratios = {
+            r.label: r.step_time_s / row.step_time_s for r in rows
+            if MODES[r.mode].block is not None and MODES[r.mode].step is None
+            and r.backend == row.backend and r.sync_grads == row.sync_grads
+            and r.world_size == row.world_size and r.step_time_s
+        }
+        row.library_time_ratios = ratios or None
+
+
 def add_comparisons(rows: list[ReportRow], unsharded_bytes: int) -> None:
     """Fills savings and overheads against the ``two_forward`` row of each backend."""
     for row in rows:
@@ -222,6 +241,7 @@ def finish(cfg: ReportConfig, rows: list[ReportRow], meta: dict, world: int, dev
     add_comparisons(rows, meta.get("unsharded_param_bytes") or 0)
     add_probe_comparisons(rows)
     add_check_comparisons(rows)
+    add_recipe_comparisons(rows)
     report = Report(config_dict(cfg, world, meta, device), rows)
     paths = write_report(report, Path(cfg.out))
     if not cfg.simulate_world_size:

@@ -30,10 +30,22 @@ def train_step(
     unsharded_bytes: int | None = None,
 ) -> None:
     """One optimizer step with the log-prob loss and the policy loss, run as ``mode`` says."""
-    from .. import no_reshard_between_backwards
-
     ids, advantages = batch
-    if mode.spec.forwards == 2:
+    step = mode.spec.step
+    if step == "recipe":
+        from ._fsdp2_steps import recipe_step
+
+        recipe_step(model, lambda: token_logprobs(model, ids),
+                    lambda logp: [logprob_loss(logp), policy_loss(logp, advantages)],
+                    hooks, sync_last=mode.sync_grads == "last")
+    elif step in ("accumulate", "accumulate_gathered"):
+        from ._fsdp2_steps import accumulate_step
+
+        accumulate_step(
+            model, lambda: _one_forward(model, batch, mode, hooks, unsharded_bytes),
+            user_gathered=step == "accumulate_gathered",
+        )
+    elif mode.spec.forwards == 2:
         with hooks.segment():
             logp = token_logprobs(model, ids)
             hooks.mark("backward1_start")
@@ -47,21 +59,31 @@ def train_step(
             policy_loss(logp, advantages).backward()
             del logp
     else:
-        block = (
-            no_reshard_between_backwards(model, **mode.block_options(unsharded_bytes))
-            if mode.uses_library
-            else contextlib.nullcontext()
-        )
-        with hooks.segment(), block as blk:
-            logp = token_logprobs(model, ids)
-            hooks.mark("backward1_start")
-            if mode.spec.probe:
-                assert blk is not None, mode
-                blk.backward(logprob_loss(logp), param_grads=False, retain_graph=True)
-            else:
-                logprob_loss(logp).backward(retain_graph=True)
-            hooks.mark("backward1_end")
-            policy_loss(logp, advantages).backward()
-            del logp
+        _one_forward(model, batch, mode, hooks, unsharded_bytes)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def _one_forward(model, batch, mode: Mode, hooks: StepHooks,
+                 unsharded_bytes: int | None) -> None:
+    """One forward and ``BACKWARDS`` backward passes over it, in a block if ``mode``
+    uses the library."""
+    from .. import no_reshard_between_backwards
+
+    ids, advantages = batch
+    block = (
+        no_reshard_between_backwards(model, **mode.block_options(unsharded_bytes))
+        if mode.uses_library
+        else contextlib.nullcontext()
+    )
+    with hooks.segment(), block as blk:
+        logp = token_logprobs(model, ids)
+        hooks.mark("backward1_start")
+        if mode.spec.probe:
+            assert blk is not None, mode
+            blk.backward(logprob_loss(logp), param_grads=False, retain_graph=True)
+        else:
+            logprob_loss(logp).backward(retain_graph=True)
+        hooks.mark("backward1_end")
+        policy_loss(logp, advantages).backward()
+        del logp
