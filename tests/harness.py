@@ -216,7 +216,7 @@ def case_tests(
 
     For each ``test_name: (world_size, timeout)`` in ``launches``: ``test_name``,
     parametrized over the cases of ``module`` for that world size (ids
-    ``test_name[case]``), each checking one case; and a module-scoped fixture that
+    ``test_name[case]``), each checking one case; and a session-scoped fixture that
     launches them once, on ``world_size`` ranks within ``timeout`` seconds. The launch
     runs the cases that pytest selected: all of them in a full run, one for
     ``pytest tests/test_fsdp2.py -k some_case``.
@@ -239,7 +239,10 @@ def _define_case_test(namespace: dict, module: str, test_name: str, world_size: 
     names = importlib.import_module(module).registry.names(world_size)
     fixture_name = f"_{test_name}_launch"
 
-    @pytest.fixture(scope="module", name=fixture_name)
+    # Session scope: one launch however pytest orders the items (node ids from several
+    # files interleaved, as tests/matrix_subset.txt lists them, would relaunch a
+    # module-scoped fixture each time its module comes back).
+    @pytest.fixture(scope="session", name=fixture_name)
     def launched(request) -> LaunchResult:
         # The items left once collection is done (-k, node ids, --deselect, --lf):
         # launch their cases only, in the registry's order; all of them as cases=None.
