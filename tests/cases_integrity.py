@@ -177,12 +177,14 @@ for _backend in ("fsdp1", "fsdp2"):
 
 
 def _no_false_positive_case(backend: str, ckpt: bool, **wrap_kwargs):
-    """Every option pair, 3 passes, zero_grad between, with the check: parity as without."""
+    """Every option pair, 3 passes, with the check: parity as without. ``zero_grad``
+    between the passes for two of the four pairs (it touches ``.grad``, not what the
+    check watches: the graph's saved tensors)."""
 
     def run() -> None:
         adapter = f2.ADAPTER if backend == "fsdp2" else f1.ADAPTER
-        for keep, sync in OPTION_GRID:
-            for zero_between in (False, True):
+        for i, (keep, sync) in enumerate(OPTION_GRID):
+            for zero_between in (i % 2 == 1,):
                 options = dict(block_options(keep, sync), **CHECK)
                 scenario = Scenario(
                     passes=3,
