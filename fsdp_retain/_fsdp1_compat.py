@@ -155,6 +155,17 @@ def unsharded_bytes(handle: Any) -> int:
     return padded.numel() * padded.element_size()
 
 
+def frees_after_forward(state: Any, handle: Any) -> bool:
+    """Whether FSDP1 frees the unit's unsharded flat parameter after its forward (as
+    ``_post_forward_reshard`` decides: not the root's; FULL_SHARD and HYBRID_SHARD)."""
+    from torch.distributed.fsdp import _runtime_utils
+
+    strategies = getattr(_runtime_utils, "RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES", None)
+    if strategies is None:  # only orders a byte budget: assume FSDP's default
+        return not state._is_root
+    return not state._is_root and handle._sharding_strategy in strategies
+
+
 def is_fsdp1_unit(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel
 

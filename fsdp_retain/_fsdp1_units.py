@@ -29,6 +29,7 @@ from ._common import Liveness, compiling, eager_modules, grad_tensors, loud
 from ._fsdp1_compat import (
     HOOK_STATE,
     acc_grad_node,
+    frees_after_forward,
     graph_task_id,
     hooked_node,
     is_fsdp1_unit,
@@ -112,12 +113,16 @@ def make_units(model: nn.Module, states: list[Any]) -> list[Unit]:
     ]
 
 
-def backward_order(model: nn.Module, units: list[Unit]) -> list[tuple[Unit, int]]:
-    """Units with their unsharded bytes, the root's first, then the others in
-    reverse module order (the order their backward runs; see ``kept_units``)."""
+def backward_order(model: nn.Module, units: list[Unit]) -> list[tuple[Unit, int, bool]]:
+    """Units with their unsharded bytes and whether FSDP1 frees them after forward,
+    the root's first, then the others in reverse module order (the order their
+    backward runs; see ``kept_units``)."""
     root = [u for u in units if u.state is model]
     rest = [u for u in units if u.state is not model]
-    return [(u, unsharded_bytes(u.handle)) for u in root + rest[::-1]]
+    return [
+        (u, unsharded_bytes(u.handle), frees_after_forward(u.state, u.handle))
+        for u in root + rest[::-1]
+    ]
 
 
 class ForwardRecorder:

@@ -124,13 +124,17 @@ def param_groups(state: Any) -> list[Any]:
     return [] if group is None else [group]
 
 
-def backward_order(states: list[Any]) -> list[tuple[Any, int]]:
-    """Parameter groups with their unsharded bytes, the root's first, then the
-    others in reverse module order (the order their backward runs; ``kept_units``)."""
+def backward_order(states: list[Any]) -> list[tuple[Any, int, bool]]:
+    """Parameter groups with their unsharded bytes and whether FSDP2 frees them after
+    forward (a ``post_forward_mesh_info``; the root has none), the root's first, then
+    the others in reverse module order (the order their backward runs; ``kept_units``)."""
     root, rest = param_groups(states[0]), []
     for state in states[1:]:
         rest.extend(param_groups(state))
-    return [(group, unsharded_bytes(group)) for group in root + rest[::-1]]
+    return [
+        (group, unsharded_bytes(group), group.post_forward_mesh_info is not None)
+        for group in root + rest[::-1]
+    ]
 
 
 # On a group: (id of its fsdp_params list, their count, their unsharded bytes). Sizes

@@ -10,6 +10,7 @@ both are unit-tested without ranks (``tests/test_policy.py``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Hashable, Iterable
 from typing import TypeVar
@@ -66,23 +67,48 @@ class RetainOptions:
             )
 
 
+def regathers_saved(frees_after_forward: bool, passes: int) -> int:
+    """All-gathers per step that keeping a unit unsharded avoids, with ``passes``
+    backward passes: one in each pass after the first, and one in pass 1 when FSDP
+    frees the unit after forward (every unit but the root, under FSDP's defaults)."""
+    return passes - 1 + frees_after_forward
 
-def kept_units(units: Iterable[tuple[Unit, int]], keep_unsharded: bool | int) -> set[Unit]:
+
+def kept_units(
+    units: Iterable[tuple[Unit, int, bool]],
+    keep_unsharded: bool | int,
+    passes: int | None = None,
+) -> set[Unit]:
     """The units whose unsharded parameters a block keeps between passes.
 
-    ``units`` are ``(unit, unsharded parameter bytes per rank)`` in backward
-    order, the unit whose backward runs first first. ``True`` keeps every unit,
-    ``False`` none. A byte budget goes through the units in that order and
-    keeps each one whose bytes still fit in what is left: first the units
-    nearest the output, whose re-gather could not hide behind compute at the
-    start of the next pass; a unit too large for the rest (often the root, with
-    the embedding and the output layer) is skipped, not the end of the walk.
-    Units that free nothing (0 bytes, e.g. ``NO_SHARD``) are always kept.
+    ``units`` are ``(unit, unsharded parameter bytes per rank, FSDP frees it after
+    forward)`` in backward order, the unit whose backward runs first first.
+    ``True`` keeps every unit, ``False`` none. A byte budget keeps the units
+    that avoid the most all-gathers per byte first (``regathers_saved`` over
+    the unit's bytes, with ``passes`` backward passes, at least 2), each one
+    whose bytes still fit in what is left; a unit too large for the rest is
+    skipped, not the end of the walk. Ties go in backward order, the unit whose
+    re-gather no prefetch can hide (the first) first. So a layer, re-gathered
+    in both passes, goes before a root (embedding and output layer, kept
+    through pass 1 by FSDP itself) of more than half its bytes.
+
+    All-gathers per step never rise as the budget grows: where a larger budget
+    first keeps a unit that a smaller one skipped, the smaller one had less than
+    the unit's bytes left, and what it kept in them avoids no more all-gathers
+    per byte than that unit (``tests/test_budget.py`` checks it). Units that
+    free nothing (0 bytes, e.g. ``NO_SHARD``) are always kept.
     """
     if isinstance(keep_unsharded, bool):
-        return {unit for unit, _ in units} if keep_unsharded else set()
+        return {unit for unit, _, _ in units} if keep_unsharded else set()
+    passes = max(passes or 2, 2)
+
+    def order(item: tuple[int, tuple[Unit, int, bool]]) -> tuple[float, int]:
+        index, (_, nbytes, frees) = item
+        saved = regathers_saved(frees, passes)
+        return (-saved / nbytes if nbytes else -math.inf), index
+
     kept, left = set(), keep_unsharded
-    for unit, nbytes in units:
+    for _, (unit, nbytes, _) in sorted(enumerate(units), key=order):
         if nbytes <= left:
             kept.add(unit)
             left -= nbytes
@@ -113,9 +139,9 @@ class Policy:
         """Whether pass ``index`` reduces the gradients it accumulates."""
         return not probing and (not self.holds_back or self.is_last(index))
 
-    def kept(self, units: Iterable[tuple[Unit, int]]) -> set[Unit]:
+    def kept(self, units: Iterable[tuple[Unit, int, bool]]) -> set[Unit]:
         """The units kept unsharded between passes: see ``kept_units``."""
-        return kept_units(units, self.options.keep_unsharded)
+        return kept_units(units, self.options.keep_unsharded, self.options.backwards)
 
     @staticmethod
     def frees_after_pass(kept: bool, *, freeing: bool) -> bool:

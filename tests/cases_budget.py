@@ -9,7 +9,10 @@ between passes, both ``sync_grads``, a probe pass first. Each case asserts:
 
 - parity with the unsharded reference over 3 SGD-momentum steps;
 - which units hold unsharded storage between passes: exactly the first ``k`` in
-  backward order (a wrong choice of units fails here);
+  backward order (a wrong choice of units fails here). This root (input and output
+  layers, 288 parameters) is under half a block (661): it avoids fewer all-gathers
+  (1 per step: FSDP keeps the root through pass 1) than a block (2) but more per
+  byte, so the budget's order is the backward order;
 - all-gathers per step from the formula below, reductions as without a budget.
 
 All-gathers per step with ``k`` of ``n`` units kept and ``P`` passes: the forward
@@ -17,6 +20,10 @@ gathers every unit (``n``); pass 1 re-gathers the units freed after forward that
 are not kept (the blocks not kept, for FULL_SHARD and FSDP2; none for
 SHARD_GRAD_OP; never the root, which no backend frees after forward); every later
 pass re-gathers every unit not kept (``n - k``).
+
+The monotone cases give a root larger than the blocks (the report model's shape)
+budgets from 0 to all bytes and count the all-gathers of one step: they never rise
+(a budget keeps the blocks, 2 all-gathers saved each, before the root, 1).
 
 The prefetch cases record, in each pass, the all-gathers issued against the
 moment each unit's first module finishes its backward: a re-gathered unit's
@@ -29,16 +36,20 @@ from __future__ import annotations
 import functools
 import itertools
 
+import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_retain import no_reshard_between_backwards
 from fsdp_retain._fsdp1_inspect import fsdp1_handles
 from fsdp_retain._fsdp2_inspect import fsdp2_param_groups
+from fsdp_retain._measure import count_collectives
 from tests import fsdp1_utils as f1
 from tests import fsdp2_utils as f2
 from tests.harness import Registry
-from tests.parity import LOSSES, Scenario, batch, make_net, reference_copy, run_parity, world
+from tests.parity import (
+    DIM, LOSSES, Net, Scenario, batch, device, make_net, reference_copy, run_parity, world,
+)
 
 registry = Registry()
 STRATEGIES = {
@@ -173,6 +184,44 @@ for _backend, _k in itertools.product(STRATEGIES, (1, 2)):
         f"budget_{_backend}_kept{_k}_probe_first",
         functools.partial(budget_case, _backend, _k, 3, "every", False, True),
     )
+
+
+class _WideRootNet(Net):
+    """A root (input layer and a wide output head, 2604 parameters) of about four
+    blocks (661 each), as the report model's embedding and output layer."""
+
+    def __init__(self) -> None:
+        super().__init__(DIM, depth=3)
+        self.out = nn.Sequential(nn.Linear(DIM, 8 * DIM), nn.Tanh(), nn.Linear(8 * DIM, DIM))
+
+
+def monotone_case(backend: str) -> None:
+    """All-gathers per step (one forward, two backwards) never rise as the budget
+    grows from 0 to every unit's bytes, by eighths, then ``True``."""
+    torch.manual_seed(42)
+    model = _WideRootNet().to(device())
+    if backend == "fsdp2":
+        model = f2.wrap(model)
+    else:
+        strategy, uop = STRATEGIES[backend]
+        model = f1.wrap(model, strategy, use_orig_params=uop)
+    total = sum(nbytes for _, nbytes in units_in_backward_order(model, backend))
+    budgets: list[bool | int] = [total * i // 8 for i in range(9)] + [True]
+    counts = []
+    for step, budget in enumerate(budgets):
+        with count_collectives() as c:
+            with no_reshard_between_backwards(model, keep_unsharded=budget):
+                out = model(batch(step))
+                LOSSES[0](out).backward(retain_graph=True)
+                LOSSES[1](out).backward()
+        model.zero_grad()
+        counts.append(c.all_gather)
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1], (
+        f"all-gathers per step for budgets {budgets}: {counts}")
+
+
+for _backend in ("fsdp2", "fsdp1_full_orig", "fsdp1_gradop_orig"):
+    registry.add(f"monotone_{_backend}", functools.partial(monotone_case, _backend))
 
 
 class _AllGathers(TorchDispatchMode):

@@ -2,12 +2,16 @@
 validation, and FSDP1/FSDP2 parity, kept units and all-gather counts on CPU/gloo at
 world size 2 (tests/cases_budget.py)."""
 
+import random
+
 import pytest
 
-from fsdp_retain._policy import RetainOptions, kept_units
+from fsdp_retain._policy import RetainOptions, kept_units, regathers_saved
 from tests.harness import case_tests
 
-UNITS = [("root", 100), ("b2", 50), ("b1", 50), ("b0", 50)]
+# (unit, unsharded bytes, freed after forward) in backward order: a root (embedding
+# and output layer) twice a block's bytes, kept through pass 1 by FSDP itself.
+UNITS = [("root", 100, False), ("b2", 50, True), ("b1", 50, True), ("b0", 50, True)]
 
 
 @pytest.mark.parametrize(
@@ -17,21 +21,40 @@ UNITS = [("root", 100), ("b2", 50), ("b1", 50), ("b0", 50)]
         (False, set()),
         (0, set()),
         (49, set()),
-        (99, {"b2"}),  # the root does not fit: skipped, the next unit that fits is kept
-        (100, {"root"}),
-        (149, {"root"}),
-        (150, {"root", "b2"}),
-        (199, {"root", "b2"}),
+        (50, {"b2"}),  # a block avoids 2 all-gathers per step, the root 1: blocks first
+        (99, {"b2"}),
+        (100, {"b2", "b1"}),  # not the root, which would save 1 all-gather for these bytes
+        (150, {"b2", "b1", "b0"}),
+        (249, {"b2", "b1", "b0"}),
         (250, {"root", "b2", "b1", "b0"}),
         (10**12, {"root", "b2", "b1", "b0"}),
     ],
 )
-def test_kept_units_keeps_what_fits_in_backward_order(budget, kept):
+def test_kept_units_keeps_the_most_all_gathers_saved_per_byte(budget, kept):
     assert kept_units(UNITS, budget) == kept
 
 
 def test_kept_units_keeps_units_that_free_nothing():
-    assert kept_units([("root", 0), ("b1", 10), ("b0", 0)], 5) == {"root", "b0"}
+    units = [("root", 0, False), ("b1", 10, True), ("b0", 0, True)]
+    assert kept_units(units, 5) == {"root", "b0"}
+
+
+def _saved(units, budget, passes):
+    return sum(regathers_saved(frees, passes)
+               for unit, _, frees in units if unit in kept_units(units, budget, passes))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_kept_units_never_save_less_with_a_larger_budget(seed):
+    """All-gathers avoided never fall as the budget grows (each size a step), on random
+    unit sizes, roots and pass counts; the committed report's keep75 once kept the root
+    and one layer and made more all-gathers than keep50 (all four layers)."""
+    rng = random.Random(seed)
+    passes = rng.choice([2, 3, 4])
+    units = [(i, rng.randint(1, 40), i > 0 or rng.random() < 0.5)
+             for i in range(rng.randint(2, 7))]
+    saved = [_saved(units, budget, passes) for budget in range(sum(n for _, n, _ in units) + 1)]
+    assert saved == sorted(saved), (units, passes, saved)
 
 
 @pytest.mark.parametrize("bad, error", [(-1, ValueError), (1.5, TypeError), ("1GiB", TypeError)])
@@ -66,9 +89,10 @@ def test_report_budget_fit_picks_the_largest_mode_that_fits():
     from fsdp_retain.report._fit import all_gathers, render_budget_fit
 
     units = [400, 100, 100, 100]  # root, then layers last to first
-    # kept: nothing -> 4 + 3 + 4; the root only -> 4 + 3 + 3; all -> 4.
+    # kept: nothing -> 4 + 3 + 4; the three layers (the root saves one all-gather for
+    # 400 bytes, a layer two for 100) -> 4 + 0 + 1; all -> 4.
     assert all_gathers(units, 0, True) == 11
-    assert all_gathers(units, 400, True) == 10
+    assert all_gathers(units, 400, True) == 5
     assert all_gathers(units, 700, True) == 4
     gib = 2**30
     rows = [
@@ -81,5 +105,27 @@ def test_report_budget_fit_picks_the_largest_mode_that_fits():
     table = render_budget_fit({"config": config, "rows": rows}, 80 * gib)
     line = next(line for line in table.splitlines() if line.startswith("| fsdp2"))
     assert "`keep75:every`" in line and "| 75.0 |" in line, line
-    # 75% of 700 bytes = 525 keeps the root and one layer: 4 + 2 + (4 - 2) all-gathers.
-    assert "| 2 of 4 |" in line and line.endswith("| 8 |"), line
+    # 75% of 700 bytes = 525 keeps the three layers, not the root: 4 + 0 + (4 - 3).
+    assert "| 3 of 4 |" in line and line.endswith("| 5 |"), line
+
+
+def test_report_model_all_gathers_never_rise_with_the_budget():
+    """On the committed report's model (a root of 60% of the bytes), the all-gathers per
+    step from regather through every byte budget to keep never rise, in the formula and
+    in the committed rows of each backend."""
+    import json
+    from pathlib import Path
+
+    from fsdp_retain.report._fit import all_gathers
+
+    report = json.loads((Path(__file__).parent.parent / "docs/report/report.json").read_text())
+    units = report["config"]["unit_bytes"]
+    total = sum(units)
+    counts = [all_gathers(units, total * i // 100, True) for i in range(101)]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1], counts
+    for backend in report["config"]["backends"]:
+        rows = {r["label"]: r for r in report["rows"] if r["backend"] == backend and r["ok"]}
+        labels = ["regather:every", "keep25:every", "keep50:every", "keep75:every", "keep:every"]
+        found = [rows[label]["all_gathers_per_step"] for label in labels if label in rows]
+        assert len(found) == len(labels) and found == sorted(found, reverse=True), (
+            backend, found)

@@ -30,16 +30,26 @@ def test_reduces_and_is_last(sync_grads, backwards):
 
 @pytest.mark.parametrize(
     "keep, kept",
-    [(True, {"root", "l2", "l1"}), (False, set()), (0, set()), (60, {"root"}),
-     (50, {"l2", "l1"}), (30, {"l2"}), (10**9, {"root", "l2", "l1"})],
+    [(True, {"root", "l2", "l1"}), (False, set()), (0, set()), (30, {"l2"}), (59, {"l2"}),
+     (60, {"l2", "l1"}), (119, {"l2", "l1"}), (120, {"root", "l2", "l1"}),
+     (10**9, {"root", "l2", "l1"})],
 )
-def test_kept_walks_backward_order(keep, kept):
-    # Backward order: root first, then the last layer; a unit too large for what
-    # is left is skipped, not the end of the walk.
-    units = [("root", 60), ("l2", 30), ("l1", 20)]
+def test_kept_goes_by_all_gathers_saved_per_byte(keep, kept):
+    # (unit, bytes, freed after forward) in backward order. A layer avoids 2 re-gathers
+    # per step (pass 1 and pass 2), the root 1 (FSDP keeps it through pass 1): per byte
+    # the layers go first, equal ones in backward order; the root is skipped, not the
+    # end of the walk, when it does not fit.
+    units = [("root", 60, False), ("l2", 30, True), ("l1", 30, True)]
     policy = _policy(keep_unsharded=keep)
     assert policy.kept(units) == kept
     assert policy.keeps_all is (keep is True)
+
+
+@pytest.mark.parametrize("backwards, kept", [(None, {"root"}), (2, {"root"}), (4, {"root"})])
+def test_kept_root_first_when_it_saves_more_per_byte(backwards, kept):
+    # A root under half a layer's bytes avoids more all-gathers per byte than a layer.
+    units = [("root", 10, False), ("l1", 30, True)]
+    assert _policy(keep_unsharded=30, backwards=backwards).kept(units) == kept
 
 
 @pytest.mark.parametrize("kept", [True, False])

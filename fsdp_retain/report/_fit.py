@@ -4,8 +4,9 @@ From the measured (or simulated) peaks of the modes a run has: ``regather``
 (budget 0), the ``keep<pct>`` budget modes and ``keep`` (every unit), the
 largest whose peak per rank is within the GPU memory, with its all-gathers per
 step from the units it keeps. Units and the kept set follow the library's own
-policy (``kept_units``) over the model's units in backward order: the root,
-then the decoder layers last to first.
+policy (``kept_units``) over the model's units in backward order: the root
+(kept through pass 1 by FSDP itself), then the decoder layers last to first
+(freed after forward).
 """
 
 from __future__ import annotations
@@ -49,10 +50,19 @@ def _fraction(label: str) -> float | None:
     return spec.budget if spec is not None and spec.budget is not None else None
 
 
+def kept_count(units: list[int], budget: int) -> int:
+    """How many units the library keeps with ``budget`` (``units`` as ``unit_bytes``)."""
+    return len(_kept(units, budget))
+
+
+def _kept(units: list[int], budget: int) -> set[int]:
+    return kept_units([(i, n, i > 0) for i, n in enumerate(units)], budget, BACKWARDS)
+
+
 def all_gathers(units: list[int], budget: int, frees_after_forward: bool) -> int:
     """All-gathers per step with ``BACKWARDS`` passes: the forward gathers every unit;
     pass 1 the layers freed after forward and not kept; later passes every unit not kept."""
-    kept = kept_units(list(enumerate(units)), budget)
+    kept = _kept(units, budget)
     n, k = len(units), len(kept)
     layers_not_kept = sum(1 for i in range(1, n) if i not in kept)
     return n + (layers_not_kept if frees_after_forward else 0) + (BACKWARDS - 1) * (n - k)
@@ -88,7 +98,7 @@ def render_budget_fit(report: dict[str, Any], gpu_memory: int) -> str:
             continue
         fraction, row = fits[-1]
         budget = int(fraction * unsharded)
-        kept = len(kept_units(list(enumerate(units)), budget))
+        kept = kept_count(units, budget)
         gathers = all_gathers(units, budget, frees_after_forward=True)
         lines.append(
             f"| {backend} | {sync} | `{row['label']}` | {budget / gib:.1f} | "
