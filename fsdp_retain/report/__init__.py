@@ -22,7 +22,8 @@ The core library never imports this package. One concern per module:
 beyond torch, checked up front), ``_memory`` (peak and breakdown), ``_runner``
 (one backend on one rank), ``_rows`` (``ReportRow``: the schema of a row),
 ``_results`` (rows from every rank, the comparisons, the report), ``_simulate``,
-``_launch`` (ranks), ``_output`` (the files).
+``_launch`` (ranks), ``_output`` (the files), ``_figures`` (the figures;
+``python -m fsdp_retain.report.figures`` redraws them from ``report.json`` files).
 """
 
 from ._cli import main, parse_args

@@ -29,7 +29,8 @@ def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConf
         description=(
             "Peak memory, step time and collectives of fsdp_retain's modes against a "
             "second forward, on a Qwen2-shaped causal LM (or the model of a config.json) with "
-            "random weights. Writes report.json, report.md and report.png into --out."
+            "random weights. Writes report.json, report.md, report.png and (timed runs) "
+            "tradeoff.png into --out; python -m fsdp_retain.report.figures redraws the figures."
         ),
     )
     parser.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=ALL_BACKENDS,

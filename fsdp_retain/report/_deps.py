@@ -1,7 +1,7 @@
 """What the report needs beyond torch, checked before anything runs.
 
 The library needs only torch; the report builds its model with ``transformers``
-and draws ``report.png`` with ``matplotlib`` (the ``report`` extra), and its
+and draws its figures with ``matplotlib`` (the ``report`` extra), and its
 ``deepspeed`` backend needs ``deepspeed`` (the ``deepspeed`` extra).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 # module -> (what the report uses it for, the extra that installs it)
 REQUIRED = {"transformers": ("it builds the model", "report")}
 BY_BACKEND = {"deepspeed": ("deepspeed", "--backend deepspeed runs a ZeRO-3 engine", "deepspeed")}
-OPTIONAL = {"matplotlib": ("report.png", "report")}
+OPTIONAL = {"matplotlib": ("report.png and tradeoff.png", "report")}
 
 
 class MissingDependency(RuntimeError):

@@ -1,4 +1,4 @@
-"""Writes a report as ``report.json``, ``report.md`` and ``report.png``."""
+"""Writes a report as ``report.json``, ``report.md`` and its figures (``_figures``)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._modes import KEEP_SLACK_TEXT, MODES, REGATHER_SLACK_TEXT, mode_legend
+from ._modes import KEEP_SLACK_TEXT, REGATHER_SLACK_TEXT, mode_legend
 from ._rows import BREAKDOWN_KEYS, Report, ReportRow
 
-__all__ = ["render_fit_table", "render_markdown", "render_png", "write_report"]
+__all__ = ["render_fit_table", "render_markdown", "write_figures", "write_report"]
 
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
@@ -301,137 +301,34 @@ def render_fit_table(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _error_mark(ax: Any, x: int, row: ReportRow) -> None:
-    expected = bool(row.expected_error)
-    ax.text(x, 0, "expected crash" if expected else "error", ha="center", va="bottom",
-            color="tab:gray" if expected else "red", rotation=90)
-
-
-def render_png(report: Report, path: Path) -> None:
-    """Peak memory (stacked by breakdown) and step time per mode, one bar per row."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cfg, rows = report.config, report.rows
-    unit, size = _unit(rows)
-    names = [r.backend + "\n" + r.label.replace(":", "\n") for r in rows]
-    xs = list(range(len(rows)))
-    timed = not cfg["simulated"]
-    curves = _tradeoff_curves(rows)
-    panels = (2 if timed else 1) + (1 if curves else 0)
-    width = max(8.0, 1.2 * len(rows)) * panels / 1.4
-    labels = list(dict.fromkeys(r.label for r in rows))
-    legend_in = 0.2 + 0.16 * len(labels)  # inches under the panels for the mode legend
-    height = 4.8 + legend_in
-    fig, axes = plt.subplots(1, panels, figsize=(width, height), squeeze=False)
-    ax = axes[0][0]
-    bottom = [0.0] * len(rows)
-    for key in BREAKDOWN_KEYS:
-        heights = [((r.breakdown or {}).get(key, 0) / size) if r.ok else 0 for r in rows]
-        ax.bar(xs, heights, bottom=bottom, label=key.replace("_", " "))
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    for x, row in zip(xs, rows):
-        if not row.ok:
-            _error_mark(ax, x, row)
-        elif row.peak_bytes is not None:
-            ax.plot([x - 0.4, x + 0.4], [row.peak_bytes / size] * 2, color="black", lw=1)
-    ax.set_ylabel(f"peak memory per rank ({unit})")
-    ax.set_title("Peak memory\n(black line: reported peak)", fontsize=10)
-    ax.set_xticks(xs, names, fontsize=7)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    if timed:
-        ax = axes[0][1]
-        times = [1e3 * r.step_time_s if r.ok and r.step_time_s else 0 for r in rows]
-        ax.bar(xs, times, color="tab:gray")
-        for x, row in zip(xs, rows):
-            if not row.ok:
-                _error_mark(ax, x, row)
-            elif row.mode == "two_forward" and row.forward2_time_s:
-                same = [i for i, r in zip(xs, rows) if r.backend == row.backend]
-                assert row.step_time_s is not None, row  # timed with its second forward
-                ideal = 1e3 * (row.step_time_s - row.forward2_time_s)
-                ax.hlines(ideal, min(same) - 0.4, max(same) + 0.4, ls="--", lw=0.8,
-                          color="tab:green")
-        ax.set_ylabel("median step time (ms)")
-        ax.set_title("Median step time\n(dashed: two_forward minus its 2nd forward)", fontsize=10)
-        ax.set_xticks(xs, names, fontsize=7)
-    if curves:
-        _plot_tradeoff(axes[0][panels - 1], curves, unit, size, timed)
-    simulated = " (simulated)" if cfg["simulated"] else ""
-    fig.suptitle(
-        f"{cfg['model']} {cfg['param_count'] / 1e6:.1f}M params, {cfg['dtype']}, "
-        f"{cfg['device']} world size {cfg['world_size']}{simulated}",
-        fontsize=9,
-    )
-    legend = "\n".join(f"{label}: {mode_legend(label, short=True)}" for label in labels)
-    fig.text(0.01, 0.01, "Modes (library modes: no_reshard_between_backwards with these options, "
-             "backwards=2)\n" + legend, fontsize=7, va="bottom", ha="left", family="monospace")
-    fig.tight_layout(rect=(0, legend_in / height, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-_Curves = dict[tuple[str, str | None], list[ReportRow]]
-
-
-def _tradeoff_curves(rows: list[ReportRow]) -> _Curves:
-    """Per (backend, sync_grads): regather, the byte budgets and keep, in budget order;
-    only where at least three of them ran."""
-    order = {"regather": 0.0, "keep": 1.0}
-    curves: dict[tuple[str, str | None], list[tuple[float, ReportRow]]] = {}
-    for row in rows:
-        budget = order.get(row.mode)
-        if budget is None:
-            spec = MODES.get(row.mode)
-            budget = spec.budget if spec is not None else None
-        if budget is None or not row.ok or row.memory_overhead_bytes is None:
-            continue
-        curves.setdefault((row.backend, row.sync_grads), []).append((budget, row))
-    return {key: [row for _, row in sorted(points, key=lambda p: p[0])]
-            for key, points in curves.items() if len(points) >= 3}
-
-
-def _plot_tradeoff(ax, curves: _Curves, unit: str, size: float, timed: bool) -> None:
-    """Extra memory against all-gathers per step (and step time, when timed): from
-    regather through the byte budgets to keep."""
-    for (backend, sync), points in curves.items():
-        xs = [(p.memory_overhead_bytes or 0) / size for p in points]  # never None in a curve
-        ys = [p.all_gathers_per_step or 0 for p in points]
-        (line,) = ax.plot(xs, ys, marker="o", label=f"{backend} {sync}: all-gathers")
-        for x, y, p in zip(xs, ys, points):
-            ax.annotate(p.mode, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        if timed:
-            twin = getattr(ax, "_fsdp_retain_twin", None) or ax.twinx()
-            ax._fsdp_retain_twin = twin
-            times = [1e3 * (p.step_time_s or 0) for p in points]
-            twin.plot(xs, times, ls="--", marker="x", color=line.get_color(),
-                      label=f"{backend} {sync}: step (ms)")
-            twin.set_ylabel("median step time (ms, dashed)")
-    ax.set_xlabel(f"peak memory vs two_forward ({unit})")
-    ax.set_ylabel("all-gathers per step (solid)")
-    ax.set_title("keep_unsharded: memory against communication\n"
-                 "(regather -> byte budgets -> keep)", fontsize=10)
-    ax.legend(fontsize=6, loc="upper right")
-
-
 def write_report(report: Report, out_dir: Path) -> dict[str, Any]:
-    """Writes the three files; returns their paths and the Markdown text."""
+    """Writes ``report.json``, ``report.md``, ``report.png`` and, for a timed run,
+    ``tradeoff.png``; returns their paths and the Markdown text."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Any] = {
         "json": out_dir / "report.json",
         "md": out_dir / "report.md",
-        "png": out_dir / "report.png",
     }
     paths["json"].write_text(json.dumps(report.to_json(), indent=2) + "\n")
     text = render_markdown(report)
     paths["md"].write_text(text)
     try:
-        render_png(report, paths["png"])
+        paths.update(write_figures(report, out_dir))
     except ImportError as exc:  # matplotlib is an optional dependency
-        print(f"[report] no report.png: {exc} (the report extra: pip install "
+        print(f"[report] no report.png, tradeoff.png: {exc} (the report extra: pip install "
               "'fsdp-retain[report]')", flush=True)
-        del paths["png"]
     paths["md_text"] = text
+    return paths
+
+
+def write_figures(report: Report, out_dir: Path) -> dict[str, Path]:
+    """``report.png`` and, for a timed run, ``tradeoff.png`` (see ``_figures``)."""
+    from ._figures import report_figure, save, tradeoff_figure
+
+    paths = {"png": out_dir / "report.png"}
+    save(report_figure(report), paths["png"])
+    tradeoff = tradeoff_figure(report)
+    if tradeoff is not None:
+        paths["tradeoff"] = out_dir / "tradeoff.png"
+        save(tradeoff, paths["tradeoff"])
     return paths

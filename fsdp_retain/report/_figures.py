@@ -1,0 +1,386 @@
+"""The report's figures, drawn with matplotlib from reports (``Report``).
+
+- ``report_figure``: peak memory (stacked by breakdown) and step time per row
+  (``report.png``);
+- ``tradeoff_figure``: per backend, step time against extra memory, both
+  relative to ``two_forward``, the ``keep_unsharded`` budgets joined from
+  ``False`` to ``True`` (``tradeoff.png``; timed runs only);
+- ``fit_figure`` and ``fit_table``: per-rank peaks of simulated runs of several
+  models and world sizes against GPU memory lines (``will_it_fit.png`` and
+  ``will_it_fit.md``).
+
+[Note: readable figures] Every figure is ``WIDTH_IN`` inches wide at ``DPI``
+(at most ``MAX_WIDTH_PX``), and its smallest text is ``MIN_FONT_PT``: shown
+800 px wide, as a README shows it, a text of ``s`` points is
+``s * DPI / 72 * 800 / (WIDTH_IN * DPI)`` px high, at least ``MIN_TEXT_PX``
+(``smallest_text_px`` measures it; ``tests/test_report_figures.py`` checks).
+"""
+
+from __future__ import annotations
+
+import functools
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ._modes import MODES, mode_legend
+from ._rows import BREAKDOWN_KEYS, Report, ReportRow
+
+WIDTH_IN = 8.0
+DPI = 160
+MAX_WIDTH_PX = 1600
+SHOWN_PX = 800  # the width a README shows an image at
+MIN_TEXT_PX = 11  # the smallest text, in px, at that width
+MIN_FONT_PT = 9.0  # >= MIN_TEXT_PX * 72 / SHOWN_PX * WIDTH_IN = 7.92
+TITLE_PT = 11.0
+_GIB = 2**30
+
+# The keep_unsharded curve: mode -> (budget share, point label).
+_BUDGETS = {"regather": (0.0, "False"), "keep": (1.0, "True")}
+_MARKERS = "osD^vP*Xh<>p"
+
+
+_RC = {"figure.dpi": DPI, "font.size": MIN_FONT_PT, "axes.titlesize": TITLE_PT,
+       "axes.labelsize": MIN_FONT_PT + 1, "legend.fontsize": MIN_FONT_PT,
+       "xtick.labelsize": MIN_FONT_PT, "ytick.labelsize": MIN_FONT_PT,
+       "figure.titlesize": TITLE_PT}
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _plt():
+    import matplotlib
+
+    major, minor = (int(part) for part in matplotlib.__version__.split(".")[:2])
+    if (major, minor) < (3, 7):  # legends "outside" the axes
+        raise ImportError(f"the figures need matplotlib 3.7 or later, found "
+                          f"{matplotlib.__version__}")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _styled(draw: _F) -> _F:
+    """Runs ``draw`` with the figures' sizes (``_RC``), leaving matplotlib's as they were."""
+    @functools.wraps(draw)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _plt().rc_context(_RC):
+            return draw(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def smallest_text_px(fig, shown_px: float = SHOWN_PX) -> float:
+    """The smallest visible text of ``fig``, in px, with the image shown ``shown_px`` wide."""
+    from matplotlib.text import Text
+
+    sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_visible() and t.get_text()]
+    width_px = fig.get_figwidth() * fig.dpi
+    return min(sizes) * fig.dpi / 72 * shown_px / width_px
+
+
+def save(fig, path) -> None:
+    fig.savefig(path, dpi=DPI)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def _unit(rows: Sequence[ReportRow]) -> tuple[str, int]:
+    largest = max((abs(r.peak_bytes or 0) for r in rows), default=0)
+    for name, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if largest >= 10 * size:
+            return name, size
+    return "KiB", 2**10
+
+
+def _title(cfg: dict[str, Any]) -> str:
+    simulated = " (simulated)" if cfg["simulated"] else ""
+    return (f"{model_name(cfg)}, {cfg['dtype']}, batch {cfg['batch_per_rank']} x "
+            f"{cfg['seq_len']}, {cfg['device']} world size {cfg['world_size']}{simulated}")
+
+
+def model_name(cfg: dict[str, Any]) -> str:
+    """``Qwen2.5-7B (7.6B)``: the preset or the ``--model-config`` file, and the
+    parameter count."""
+    count = cfg.get("param_count") or 0
+    params = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+    if cfg.get("model_config"):
+        name = Path(cfg["model_config"]).stem
+        name = Path(cfg["model_config"]).parent.name if name == "config" else name
+    elif str(cfg.get("size", "")).endswith("b"):
+        name = f"Qwen2.5-{cfg['size'].upper()}"
+    else:
+        name = f"{cfg['model'].split()[0].removesuffix('ForCausalLM')} {cfg.get('size')}"
+    return f"{name} ({params})"
+
+
+def _mode_notes(labels: Sequence[str]) -> str:
+    lines = [f"{label}: {mode_legend(label, short=True)}" for label in labels]
+    wrapped = [textwrap.fill(line, 88, subsequent_indent="    ") for line in lines]
+    return "Modes (library modes: no_reshard_between_backwards, backwards=2)\n" + "\n".join(wrapped)
+
+
+# report.png #
+@_styled
+def report_figure(report: Report):
+    """Horizontal bars, one per row: peak memory (stacked by breakdown) and, for a timed
+    run, the median step time beside it; the modes' options under them."""
+    plt = _plt()
+    from matplotlib.transforms import blended_transform_factory
+
+    cfg, rows = report.config, report.rows
+    unit, size = _unit(rows)
+    timed = not cfg["simulated"]
+    notes = _mode_notes(list(dict.fromkeys(r.label for r in rows)))
+    legend_in = 0.4
+    notes_in = legend_in + 0.1 + 0.17 * (notes.count("\n") + 1)
+    bars_in = 1.6 + 0.26 * len(rows)
+    fig = plt.figure(figsize=(WIDTH_IN, bars_in + notes_in), layout="constrained")
+    grid = fig.add_gridspec(2, 2 if timed else 1, height_ratios=[bars_in, notes_in])
+    names = [f"{r.backend} {r.label}" for r in rows]
+    ys = list(range(len(rows)))[::-1]
+    ax = fig.add_subplot(grid[0, 0])
+    left = [0.0] * len(rows)
+    for key in BREAKDOWN_KEYS:
+        widths = [((r.breakdown or {}).get(key, 0) / size) if r.ok else 0 for r in rows]
+        ax.barh(ys, widths, left=left, label=key.replace("_", " "))
+        left = [a + w for a, w in zip(left, widths)]
+    for y, row in zip(ys, rows):
+        if not row.ok:
+            _error_mark(ax, y, row)
+        elif row.peak_bytes is not None:
+            ax.plot([row.peak_bytes / size] * 2, [y - 0.4, y + 0.4], color="black", lw=1.2)
+    ax.set_yticks(ys, names)
+    ax.set_xlabel(f"peak memory per rank ({unit})")
+    ax.set_title("Peak memory (black: the peak)")
+    breakdown = ax.get_legend_handles_labels()
+    if timed:
+        ax = fig.add_subplot(grid[0, 1], sharey=ax)
+        ax.tick_params(labelleft=False)
+        times = [1e3 * r.step_time_s if r.ok and r.step_time_s else 0 for r in rows]
+        ax.barh(ys, times, color="tab:gray")
+        for y, row in zip(ys, rows):
+            if not row.ok:
+                _error_mark(ax, y, row)
+            elif row.mode == "two_forward" and row.forward2_time_s and row.step_time_s:
+                same = [yy for yy, r in zip(ys, rows) if r.backend == row.backend]
+                ideal = 1e3 * (row.step_time_s - row.forward2_time_s)
+                ax.vlines(ideal, min(same) - 0.4, max(same) + 0.4, ls="--", lw=1,
+                          color="tab:green")
+        ax.set_xlabel("median step time (ms)")
+        ax.set_title("Step time (dashed: ideal)")
+    fig.suptitle(_title(cfg))
+    notes_ax = fig.add_subplot(grid[1, :])
+    notes_ax.axis("off")
+    notes_ax.legend(*breakdown, loc="upper center", bbox_to_anchor=(0.5, 1.0),
+                    ncol=len(BREAKDOWN_KEYS), frameon=False, handlelength=1.2,
+                    columnspacing=1.0)
+    notes_ax.text(0.01, 1 - legend_in / notes_in, notes, va="top", ha="left",
+                  family="monospace",
+                  transform=blended_transform_factory(fig.transFigure, notes_ax.transAxes))
+    return fig
+
+
+def _error_mark(ax, y: float, row: ReportRow) -> None:
+    expected = bool(row.expected_error)
+    ax.text(0, y, " expected crash" if expected else " error", ha="left", va="center",
+            color="tab:gray" if expected else "red")
+
+
+# tradeoff.png #
+def _budget(mode: str) -> tuple[float, str] | None:
+    """A mode's share of the unsharded bytes and its point label, on the budget curve."""
+    if mode in _BUDGETS:
+        return _BUDGETS[mode]
+    spec = MODES.get(mode)
+    if spec is None or spec.budget is None:
+        return None
+    return spec.budget, f"{spec.budget:.0%}"
+
+
+def _placed(row: ReportRow) -> bool:
+    return row.ok and row.time_ratio is not None and row.memory_overhead_bytes is not None
+
+
+@_styled
+def tradeoff_figure(report: Report):
+    """One panel per backend: step time over ``two_forward``'s (y) against the peak
+    memory added to ``two_forward``'s (x), a point per mode; the budgets from
+    ``regather`` (``False``) to ``keep`` (``True``) joined per ``sync_grads``.
+    ``None`` for a simulated run (no times)."""
+    cfg, rows = report.config, report.rows
+    placed = [r for r in rows if _placed(r)]
+    backends = list(dict.fromkeys(r.backend for r in placed))
+    if cfg["simulated"] or not backends:
+        return None
+    plt = _plt()
+    unit, size = _unit([r for r in rows if r.mode == "two_forward"])
+    curves = {b: _curves([r for r in placed if r.backend == b]) for b in backends}
+    on_curve = {r.label for per in curves.values() for curve in per.values() for r in curve}
+    off_curve = [label for label in dict.fromkeys(r.label for r in placed)
+                 if label not in on_curve and label != "two_forward"]
+    style = {label: (_MARKERS[i % len(_MARKERS)], f"C{(i + 2) % 10}")
+             for i, label in enumerate(off_curve)}
+    legend_in = 0.3 + 0.2 * ((len(style) + 4) // 2)
+    height = 4.4 * len(backends) + legend_in + 0.5
+    fig, axes = plt.subplots(len(backends), 1, figsize=(WIDTH_IN, height), squeeze=False,
+                             layout="constrained")
+    handles: dict[str, Any] = {}
+    for ax, backend in zip((a[0] for a in axes), backends):
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.axvline(0.0, color="gray", lw=0.8, ls="--")
+        handles["two_forward (the baseline)"] = ax.scatter(
+            [0], [1.0], marker="*", s=220, color="black", zorder=5)
+        for sync, curve in curves[backend].items():
+            xs = [(r.memory_overhead_bytes or 0) / size for r in curve]
+            ys = [r.time_ratio or 0 for r in curve]
+            (line,) = ax.plot(xs, ys, "-o", color="tab:blue" if sync == "every" else "tab:red",
+                              lw=2, ms=6, zorder=3)
+            handles[f'keep_unsharded False -> budgets -> True, sync_grads="{sync}"'] = line
+            _label_points(ax, curve, xs, ys)
+        for row in placed:
+            if row.backend != backend or row.label not in style:
+                continue
+            marker, color = style[row.label]
+            # FSDP2's recipe hollow: it often lands on a library mode's point.
+            recipe = row.mode == "fsdp2_recipe"
+            handles[row.label + (" (FSDP2 alone, hollow)" if recipe else "")] = ax.scatter(
+                [(row.memory_overhead_bytes or 0) / size], [row.time_ratio], marker=marker,
+                s=110 if recipe else 60, facecolors="none" if recipe else color,
+                edgecolors=color, linewidths=2 if recipe else 1, zorder=4)
+        ax.set_title(f"{backend}: step time against extra memory")
+        ax.set_xlabel(f"peak memory vs two_forward ({unit})")
+        ax.set_ylabel("step time / two_forward's")
+        ax.margins(0.12)
+    fig.suptitle(_title(cfg))
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=2,
+               frameon=False)
+    return fig
+
+
+def _curves(rows: Sequence[ReportRow]) -> dict[str | None, list[ReportRow]]:
+    """Per ``sync_grads``: regather, the byte budgets and keep in budget order, where at
+    least three of them ran."""
+    found: dict[str | None, list[tuple[float, ReportRow]]] = {}
+    for row in rows:
+        budget = _budget(row.mode)
+        if budget is not None:
+            found.setdefault(row.sync_grads, []).append((budget[0], row))
+    return {sync: [r for _, r in sorted(points, key=lambda p: p[0])]
+            for sync, points in found.items() if len(points) >= 3}
+
+
+def _label_points(ax, curve: Sequence[ReportRow], xs: Sequence[float],
+                  ys: Sequence[float]) -> None:
+    """The budget of each point; points at the same place share one label."""
+    span_x = (max(xs) - min(xs)) or 1.0
+    span_y = (max(ys) - min(ys)) or 1.0
+    groups: list[tuple[float, float, list[str]]] = []
+    for row, x, y in zip(curve, xs, ys):
+        text = (_budget(row.mode) or (0.0, "?"))[1]
+        for gx, gy, texts in groups:
+            if abs(gx - x) < 0.03 * span_x and abs(gy - y) < 0.05 * span_y:
+                texts.append(text)
+                break
+        else:
+            groups.append((x, y, [text]))
+    for x, y, texts in groups:
+        ax.annotate(", ".join(texts), (x, y), xytext=(6, 6), textcoords="offset points")
+
+
+# will_it_fit.png #
+_FIT_ORDER = ("regather:every", "keep25:every", "keep50:every", "keep75:every", "keep:every")
+
+
+def _peaks(report: Report) -> dict[str, int]:
+    return {r.label: r.peak_bytes for r in report.rows if r.ok and r.peak_bytes is not None}
+
+
+def best_fit(peaks: dict[str, int], gpu_bytes: int) -> str | None:
+    """The largest ``keep_unsharded`` (regather, keep25/50/75, keep) whose peak fits."""
+    fits = [label for label in _FIT_ORDER if label in peaks and peaks[label] <= gpu_bytes]
+    return fits[-1] if fits else None
+
+
+def _short(label: str) -> str:
+    """``keep50:every`` -> ``50%``, as on the budget curve (``False``, ..., ``True``)."""
+    name = label.partition(":")[0]
+    return (_budget(name) or (0.0, name))[1]
+
+
+def _fit_reports(reports: Sequence[Report]) -> list[Report]:
+    return sorted(reports, key=lambda r: (r.config["world_size"], r.config["param_count"] or 0))
+
+
+@_styled
+def fit_figure(reports: Sequence[Report], gpu_bytes: Sequence[int]):
+    """One panel per world size; per model, bars of the peak per rank of ``two_forward``,
+    the defaults (``keep:every``), the best budget for each GPU memory (the largest
+    ``keep_unsharded`` that fits, named over its bar) and ``keep_unsharded=False``,
+    with a line per GPU memory."""
+    plt = _plt()
+    reports = _fit_reports(reports)
+    sizes = sorted(gpu_bytes)
+    worlds = list(dict.fromkeys(r.config["world_size"] for r in reports))
+    first = reports[0].config
+    bars: list[tuple[str | int, str, str]] = [
+        ("two_forward", "two_forward", "0.55"), ("keep:every", "defaults (keep:every)", "C0")]
+    bars += [(size, f"largest keep_unsharded within {size / _GIB:.0f} GiB (named)", f"C{2 + i}")
+             for i, size in enumerate(sizes)]
+    bars += [("regather:every", "keep_unsharded=False", "C1")]
+    fig, axes = plt.subplots(len(worlds), 1, figsize=(WIDTH_IN, 4.2 * len(worlds) + 1.2),
+                             squeeze=False, sharey=True, layout="constrained")
+    width = 0.8 / len(bars)
+    handles: dict[str, Any] = {}
+    top = max(max(_peaks(r).values()) for r in reports) / _GIB
+    for ax, world in zip((a[0] for a in axes), worlds):
+        mine = [r for r in reports if r.config["world_size"] == world]
+        for g, report in enumerate(mine):
+            peaks = _peaks(report)
+            for b, (key, name, color) in enumerate(bars):
+                x = g + (b - (len(bars) - 1) / 2) * width
+                label = best_fit(peaks, key) if isinstance(key, int) else key
+                if label is None:
+                    ax.text(x, 0.01 * top, " none fits", rotation=90, ha="center",
+                            va="bottom")
+                    continue
+                if label not in peaks:
+                    continue
+                handles[name] = ax.bar([x], [peaks[label] / _GIB], width, color=color)
+                if isinstance(key, int):
+                    ax.text(x, peaks[label] / _GIB, f" {_short(label)}", rotation=90,
+                            ha="center", va="bottom")
+        for i, size in enumerate(sizes):
+            handles[f"{size / _GIB:.0f} GiB per GPU"] = ax.axhline(
+                size / _GIB, color="black", ls=("--", ":", "-.")[i % 3], lw=1.2)
+        ax.set_xticks(range(len(mine)), [model_name(r.config) for r in mine])
+        ax.set_ylabel("peak memory per rank (GiB)")
+        ax.set_title(f"{world} ranks")
+        ax.set_ylim(0, 1.3 * max(top, sizes[-1] / _GIB))
+    ac = ", activation checkpointing" if first.get("activation_checkpointing") else ""
+    fig.suptitle(f"Will it fit? {first['dtype']}, batch {first['batch_per_rank']} x "
+                 f"{first['seq_len']} per rank{ac}, simulated")
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=2,
+               frameon=False)
+    return fig
+
+
+def fit_table(reports: Sequence[Report], gpu_bytes: Sequence[int]) -> str:
+    """The figure's numbers: peak per rank (GiB) per mode, and the largest
+    ``keep_unsharded`` that fits in each GPU memory."""
+    reports = _fit_reports(reports)
+    modes = ["two_forward", *_FIT_ORDER[::-1]]
+    fits = [f"fits {size / _GIB:.0f} GiB" for size in sorted(gpu_bytes)]
+    lines = ["| model | ranks | " + " | ".join(f"`{m}`" for m in modes) + " | "
+             + " | ".join(fits) + " |",
+             "|---|--:|" + "--:|" * len(modes) + "---|" * len(fits)]
+    for report in reports:
+        peaks = _peaks(report)
+        cells = [f"{peaks[m] / _GIB:.1f}" if m in peaks else "" for m in modes]
+        best = [best_fit(peaks, size) for size in sorted(gpu_bytes)]
+        lines.append(f"| {model_name(report.config)} | {report.config['world_size']} | "
+                     + " | ".join(cells) + " | "
+                     + " | ".join(f"`{b}`" if b else "none" for b in best) + " |")
+    return "\n".join(lines) + "\n"
