@@ -152,6 +152,7 @@ def report_figure(report: Report):
             _error_mark(ax, y, row)
         elif row.peak_bytes is not None:
             ax.plot([row.peak_bytes / size] * 2, [y - 0.4, y + 0.4], color="black", lw=1.2)
+    ax.set_xlim(0, 1.05 * max([*left, *((r.peak_bytes or 0) / size for r in rows)], default=1))
     ax.set_yticks(ys, names)
     ax.set_xlabel(f"peak memory per rank ({unit})")
     ax.set_title("Peak memory (black: the peak)")
@@ -161,6 +162,7 @@ def report_figure(report: Report):
         ax.tick_params(labelleft=False)
         times = [1e3 * r.step_time_s if r.ok and r.step_time_s else 0 for r in rows]
         ax.barh(ys, times, color="tab:gray")
+        ax.set_xlim(0, 1.05 * max(times, default=1) or 1)
         for y, row in zip(ys, rows):
             if not row.ok:
                 _error_mark(ax, y, row)
@@ -350,8 +352,10 @@ def fit_figure(reports: Sequence[Report], gpu_bytes: Sequence[int]):
                     continue
                 handles[name] = ax.bar([x], [peaks[label] / _GIB], width, color=color)
                 if isinstance(key, int):
-                    ax.text(x, peaks[label] / _GIB, f" {_short(label)}", rotation=90,
-                            ha="center", va="bottom")
+                    ax.annotate(_short(label), (x, peaks[label] / _GIB), xytext=(0, 4),
+                                textcoords="offset points", rotation=90, ha="center",
+                                va="bottom", bbox=dict(facecolor="white", edgecolor="none",
+                                                       pad=0.5))
         for i, size in enumerate(sizes):
             handles[f"{size / _GIB:.0f} GiB per GPU"] = ax.axhline(
                 size / _GIB, color="black", ls=("--", ":", "-.")[i % 3], lw=1.2)
