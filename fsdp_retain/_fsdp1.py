@@ -86,13 +86,13 @@ from ._fsdp1_compat import FLAVOUR, check_installable, internals
 from ._fsdp1_grads import GradLedger
 from ._fsdp1_inputs import ParamIndex
 from ._fsdp1_mechanics import (
-    end_root_forward,
+    open_inside_root_forward,
     pre_backward,
     probe_reshard,
     rearm,
     reset_iteration,
     reshard_all,
-    root_forward_running,
+    settle_root_forward,
     should_free,
 )
 from ._fsdp1_guards import (
@@ -176,8 +176,7 @@ class FSDP1Block(BlockBase):
                 original = handle.pre_unshard
                 handle.pre_unshard = functools.partial(ledger.pre_unshard, unit, original)
         self._hooks.append(recorder.hook_root())
-        if root_forward_running(model):
-            recorder.open_inside_root_forward(next((u for u in self._units if u.state is model), None))
+        open_inside_root_forward(model, self._units, recorder)
         self._hooks.extend(self.probe_targets.hook_sources(model))
         unit_of = {id(u.state): u for u in self._units}
         for state in self._states:
@@ -255,11 +254,7 @@ class FSDP1Block(BlockBase):
         """Outside the engine, before any hook of the pass has moved a gradient."""
         if self._exited or self._pass_open:
             return
-        recorder = self._recorder
-        if recorder.inside_root_forward and recorder.forwards_unrecorded:
-            if root_forward_running(self.model):
-                end_root_forward(self.model)
-            recorder.record_forward()
+        settle_root_forward(self.model, self._recorder)
         ledger = self._ledger
         self._had_sentinels = ledger.has_sentinels()
         ledger.check_sentinels()  # a zero_grad() since the last pass

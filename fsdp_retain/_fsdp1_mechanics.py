@@ -67,7 +67,7 @@ def pre_backward(unit: Unit) -> None:
     handle._ran_pre_backward_hook = True
 
 
-def root_forward_running(model: Any) -> bool:
+def _root_forward_running(model: Any) -> bool:
     """Whether the root's forward started and has not returned: Lightning's
     ``training_step`` (and its backward passes) runs inside it."""
     fsdp = internals()
@@ -77,7 +77,7 @@ def root_forward_running(model: Any) -> bool:
     )
 
 
-def end_root_forward(model: Any) -> None:
+def _end_root_forward(model: Any) -> None:
     """What FSDP1's post-forward sets for the root (``_post_forward``,
     ``_register_pre_backward_hooks``), for a pass that starts inside the root's
     forward; its own post-forward, after the block, records the same again."""
@@ -88,10 +88,27 @@ def end_root_forward(model: Any) -> None:
     if handle is not None:
         # FSDP sets it when it hooks the root's outputs; there are none yet, and the
         # passes start from inside, where the block runs the root's pre-backward.
-        handle._needs_pre_backward_unshard = True
+        # NO_SHARD gathers nothing (its unshard would re-point the views the graph saved).
+        handle._needs_pre_backward_unshard = handle.uses_sharded_strategy
         handle._ran_pre_backward_hook = False
         handle._training_state = fsdp.HandleTrainingState.IDLE
     model.training_state = fsdp.TrainingState.IDLE
+
+
+def open_inside_root_forward(model: Any, units: list[Unit], recorder: ForwardRecorder) -> None:
+    """At install: whether the block opens inside the root's forward, noted on the
+    recorder (with the root's ``AccumulateGrad`` node, taken now)."""
+    if _root_forward_running(model):
+        recorder.open_inside_root_forward(next((u for u in units if u.state is model), None))
+
+
+def settle_root_forward(model: Any, recorder: ForwardRecorder) -> None:
+    """At a pass start of a block opened inside the root's forward, once per forward
+    since: what the root's post-forward would have set, and the units' records."""
+    if recorder.inside_root_forward and recorder.forwards_unrecorded:
+        if _root_forward_running(model):
+            _end_root_forward(model)
+        recorder.record_forward()
 
 
 def rearm(model: Any, units: list[Unit], recorder: ForwardRecorder) -> None:

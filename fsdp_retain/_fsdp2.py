@@ -58,7 +58,6 @@ from ._fsdp2_compat import (
     PASS_START_HOOK,
     check_installable,
     clear_unsharded_grad,
-    forward_running,
     local_storage,
     param_groups,
     reset_iteration,
@@ -149,10 +148,7 @@ class FSDP2Block(BlockBase):
                 self._forward_hooks.append(self.probe_targets.hook_unit(module))
                 self._forward_hooks.extend(self._nodes.hook(state, module))
         self._forward_hooks.extend(self.probe_targets.hook_sources(self.model))
-        if forward_running(self._state):
-            # Opened inside the root's forward (Lightning's training_step): its output
-            # hook runs after the block; the passes start inside it.
-            self._nodes.record_params(self._state)
+        self._nodes.record_running_root(self._state)
         self._watch()
         if self._kept:
             for group in self._groups:

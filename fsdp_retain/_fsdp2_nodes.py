@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from . import _pass_start
 from ._common import compiling, grad_tensors, require_attr
-from ._fsdp2_compat import FLAVOUR, local_storage, param_groups
+from ._fsdp2_compat import FLAVOUR, forward_running, local_storage, param_groups
 
 
 _NODE_ATTR = "_fsdp_retain_accumulate_node"
@@ -96,6 +96,12 @@ class ForwardNodes:
         nodes = self._outputs.setdefault(state, [])
         nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
         self.record_params(state)
+
+    def record_running_root(self, root_state: Any) -> None:
+        """At install inside the root's forward (Lightning's ``training_step``): the
+        root's output hook runs after the block and the passes start inside it."""
+        if forward_running(root_state):
+            self.record_params(root_state)
 
     def record_params(self, state: Any) -> None:
         """The ``AccumulateGrad`` nodes of ``state``'s unsharded parameters: after its

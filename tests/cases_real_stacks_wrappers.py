@@ -13,8 +13,6 @@ Lightning itself runs in ``tests/test_examples.py`` (``examples/lightning_manual
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn as nn
@@ -68,13 +66,14 @@ def _reference_step(ref: nn.Module, ref_opt, x: torch.Tensor) -> dict[str, torch
     return grads
 
 
-def _inside_root_forward(flavour: str, keep, sync: str, probe: bool) -> None:
+def _inside_root_forward(flavour: str, keep, sync: str, probe: bool,
+                         strategy=f1.FULL, uop: bool = True) -> None:
     """The block opened inside the root's forward, two passes (after a probe pass),
     3 SGD-momentum steps against the unsharded reference."""
     model = make_step_net()
     ref = reference_copy(model)
     if flavour == "fsdp1":
-        model, adapter = f1.wrap(model, f1.FULL, use_orig_params=True), f1.ADAPTER
+        model, adapter = f1.wrap(model, strategy, use_orig_params=uop), f1.ADAPTER
     else:
         model, adapter = f2.wrap(model), f2.ADAPTER
     opt, ref_opt = sgd(model), sgd(ref)
@@ -108,6 +107,23 @@ for _flavour in ("fsdp1", "fsdp2"):
                 f"{'_probe' if _probe else ''}",
                 lambda f=_flavour, k=_keep, s=_sync, p=_probe: _inside_root_forward(f, k, s, p),
             )
+# FSDP1's other strategies and flat parameters (the root's pre-backward unshard is the
+# mechanism they share): the re-gathering options, with a probe pass.
+for _strategy, _uop in ((f1.FULL, False), (f1.GRAD_OP, True), (f1.GRAD_OP, False),
+                        (f1.NO_SHARD, True)):
+    for _sync in ("every", "last"):
+        registry.add(
+            f"inside_root_forward_fsdp1_{f1.STRATEGY_NAMES[_strategy]}_"
+            f"{'orig' if _uop else 'flat'}_regather_{_sync}",
+            lambda st=_strategy, u=_uop, s=_sync: _inside_root_forward(
+                "fsdp1", False, s, False, st, u),
+        )
+        registry.add(
+            f"inside_root_forward_fsdp1_{f1.STRATEGY_NAMES[_strategy]}_"
+            f"{'orig' if _uop else 'flat'}_regather_{_sync}_probe",
+            lambda st=_strategy, u=_uop, s=_sync: _inside_root_forward(
+                "fsdp1", False, s, True, st, u),
+        )
 
 
 @registry.case()
@@ -165,5 +181,3 @@ def wrapper_holding_one_root() -> None:
             with no_reshard_between_backwards(holder):
                 pass
         assert all(p.grad is None for p in holder.parameters())
-        with contextlib.suppress(AttributeError):
-            del holder.extra
