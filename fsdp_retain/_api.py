@@ -69,10 +69,13 @@ class RetainBlock(Protocol):
         ...
 
 
-    def grads(self, loss: torch.Tensor, *, retain_graph: bool | None = None) -> LossGrads:
+    def grads(self, loss: torch.Tensor, *, retain_graph: bool | None = None,
+              params: Any = None) -> LossGrads:
         """One backward pass of ``loss`` whose reduced, sharded gradients come back
         (a ``LossGrads``) instead of adding to ``.grad``: the sharded counterpart of
-        ``torch.autograd.grad(loss, model.parameters())`` (FSDP1, FSDP2, ZeRO-3)."""
+        ``torch.autograd.grad(loss, model.parameters())`` (FSDP1, FSDP2, ZeRO-3) over
+        the trainable parameters, or those ``params`` names (a submodule, parameter
+        names, or the wrapped model's parameters; see ``LossGrads.select``)."""
         ...
 
 

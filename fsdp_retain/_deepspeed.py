@@ -261,7 +261,9 @@ class DeepSpeedBlock(BlockBase):
             )
         opt = self._optimizer
         params = [p for group in opt.fp16_groups for p in group]
-        return PartitionSlots(self, opt, params, self._partitions, opt.dp_process_group)
+        if self._slots is None:
+            self._slots = PartitionSlots(self, opt, params, self._partitions, opt.dp_process_group)
+        return self._slots
 
     def _uninstall(self) -> None:
         self._alive.exited = True

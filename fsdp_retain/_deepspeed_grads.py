@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ._grad_layout import Selection, per_param_layout
 from ._loss_grads import GradSlots
 
 
@@ -38,10 +39,12 @@ class PartitionSlots(GradSlots):
 
     def __init__(self, block: Any, optimizer: Any, params: list[Any],
                  partitions: dict[int, torch.Tensor], group: Any) -> None:
-        super().__init__(params, group, True)
+        parts = [partitions[p.ds_id] for p in params]
+        layout = per_param_layout(block._root, params, [p.numel() for p in parts])
+        super().__init__(params, group, True, layout)
         self._block = block
         self._opt = optimizer
-        self._parts = [partitions[p.ds_id] for p in params]
+        self._parts = parts
 
     def _holds_step(self) -> bool:
         """Whether the partitions hold this step's gradient (else a past step's)."""
@@ -75,7 +78,7 @@ class PartitionSlots(GradSlots):
         for name, value in saved.block_state.items():
             setattr(self._block, name, value)
 
-    def add(self, values: list[torch.Tensor | None]) -> None:
+    def add(self, values: list[torch.Tensor | None], selection: Selection) -> None:
         if not self._holds_step():
             for part in self._parts:
                 part.zero_()
@@ -85,6 +88,6 @@ class PartitionSlots(GradSlots):
             if self._opt.micro_step_id == 0:
                 self._opt.micro_step_id = 1
                 self._block._bumped_micro_step = True
-        for part, value in zip(self._parts, values):
-            if value is not None:
+        for index, (part, value) in enumerate(zip(self._parts, values)):
+            if value is not None and selection.ranges[index] is not None:
                 part.add_(value.detach().to(part.dtype).view(part.shape))

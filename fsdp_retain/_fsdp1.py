@@ -83,7 +83,7 @@ from ._common import (
     require_attr,
 )
 from ._fsdp1_compat import FLAVOUR, check_installable, internals
-from ._fsdp1_grads import GradLedger
+from ._fsdp1_grads import FlatGradSlots, GradLedger, flat_layout
 from ._fsdp1_inputs import ParamIndex
 from ._fsdp1_mechanics import (
     open_inside_root_forward,
@@ -365,13 +365,10 @@ class FSDP1Block(BlockBase):
                 "block.grads() needs every FSDP1 unit of one sharding strategy and "
                 "process group: not supported yet for mixed units."
             )
-        return GradSlots([u.flat_param for u in self._units], groups.pop(), sharded.pop(),
-                         refresh=self._grads_changed)
-
-    def _grads_changed(self) -> None:
-        for unit in self._units:
-            if unit.handle._use_orig_params:
-                unit.handle._use_sharded_grad_views()
+        if self._slots is None:
+            self._slots = FlatGradSlots(handles, groups.pop(), sharded.pop(),
+                                        flat_layout(self.model, self._units))
+        return self._slots
 
     # Passes with inputs=: see [Note: inputs that name parameters] in _inputs.py #
     def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:

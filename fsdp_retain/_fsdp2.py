@@ -65,7 +65,7 @@ from ._fsdp2_compat import (
     shard_group,
     training_state_enum,
 )
-from ._fsdp2_grads import HeldGrads
+from ._fsdp2_grads import HeldGrads, fsdp2_layout
 from ._fsdp2_nodes import ForwardNodes
 from ._lifecycle import BlockBase
 from ._loss_grads import GradSlots
@@ -276,7 +276,9 @@ class FSDP2Block(BlockBase):
                 "group (1-D FSDP2 or HSDP); this model's parameters are sharded over "
                 f"{len(groups)} (e.g. with tensor parallelism): not supported yet."
             )
-        return GradSlots(holders, groups.pop(), True)
+        if self._slots is None:
+            self._slots = GradSlots(holders, groups.pop(), True, fsdp2_layout(self.model, self._groups))
+        return self._slots
 
     # Pass boundaries #
     def on_backward_start(self) -> None:

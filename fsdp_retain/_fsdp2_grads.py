@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ._fsdp2_compat import clear_unsharded_grad, grad_version, has_pending_grad
+from ._grad_layout import Layout, Segment, clean_name
 
 
 @dataclasses.dataclass
@@ -71,3 +72,32 @@ class HeldGrads:
     def forget(self) -> None:
         """Before a reduction that adds onto the marked ``.grad`` tensors: keep them."""
         self._sentinels.clear()
+
+
+def fsdp2_layout(model: Any, groups: list[Any]) -> Layout:
+    """One segment per FSDP parameter, named from ``model`` (see [Note: which
+    parameters a per-loss gradient covers]). Between passes a module may show the
+    unsharded parameter rather than the sharded one: both stand for its name."""
+    prefixes = {id(m): clean_name(n) for n, m in model.named_modules()}
+
+    def full(module: Any, name: str) -> str:
+        prefix = prefixes.get(id(module), "?")
+        return f"{prefix}.{name}" if prefix else name
+
+    segments, numels = [], []
+    tensors: dict[int, tuple[str, ...]] = {}
+    for group in groups:
+        for fsdp_param in group.fsdp_params:
+            info = fsdp_param._module_info
+            names = (full(info.module, info.param_name),) + tuple(
+                full(m, n) for m, n in zip(info.shared_modules, info.shared_param_names)
+            )
+            sharded = fsdp_param.sharded_param
+            numel = sharded._local_tensor.numel()
+            segments.append([Segment(names[0], 0, numel, sharded.requires_grad, names[1:])])
+            numels.append(numel)
+            tensors[id(sharded)] = names
+            unsharded = fsdp_param.__dict__.get("_unsharded_param")
+            if unsharded is not None:
+                tensors[id(unsharded)] = names
+    return Layout(model, segments, numels, tensors)

@@ -64,6 +64,7 @@ class BlockBase(abc.ABC):
         self._saved_check: SavedTensorCheck | None = None
         self._step_hook: Any = None
         self._selection: list[Any] = []  # see _inputs.py
+        self._slots: Any = None  # the backend's GradSlots, made at the first grads()
 
     # The mechanics of one flavour #
     @abc.abstractmethod
@@ -227,11 +228,15 @@ class BlockBase(abc.ABC):
             self._selection.extend(self._select_grads(named))
         return mapped
 
-    def grads(self, loss: torch.Tensor, *, retain_graph: bool | None = None) -> LossGrads:
+    def grads(self, loss: torch.Tensor, *, retain_graph: bool | None = None,
+              params: Any = None) -> LossGrads:
         """One backward pass of ``loss`` whose reduced, sharded gradients come back
         instead of adding to ``.grad`` (left as it was): the sharded counterpart of
         ``torch.autograd.grad(loss, model.parameters())``, one reduce-scatter per
-        unit. See [Note: per-loss gradients] in ``_loss_grads.py``.
+        unit. ``params`` (a submodule, parameter names, or the wrapped model's
+        parameters) narrows what the result covers, as ``LossGrads.select`` does; the
+        pass computes every gradient either way. See [Note: per-loss gradients] in
+        ``_loss_grads.py``.
 
         Example::
 
@@ -259,7 +264,8 @@ class BlockBase(abc.ABC):
             values = slots.read()
         finally:
             slots.put(saved)
-        return LossGrads(slots, values)
+        grads = LossGrads(slots, values)
+        return grads if params is None else grads.select(params)
 
     def _grad_slots(self) -> GradSlots:
         """Where the gradients the optimizer steps on are, for ``grads``; raises where

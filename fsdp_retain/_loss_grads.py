@@ -8,7 +8,8 @@ pass of ``loss`` that FSDP reduces and shards as any pass inside the block (one
 reduce-scatter per unit), whose gradients come back as a ``LossGrads`` instead of
 adding to ``.grad``. ``.grad`` is left exactly as it was: the block moves it
 aside for the pass (``_grad_slots``: the ``.grad`` of FSDP2's sharded parameters,
-of FSDP1's flat parameters, ZeRO-3's gradient partitions) and puts it back after.
+of FSDP1's flat parameters and, with ``use_orig_params=True``, of its original
+parameters; ZeRO-3's gradient partitions) and puts the same tensors back after.
 
 What a ``LossGrads`` holds is each rank's shard (1/world of the model per loss;
 never an unsharded copy). Reductions over the whole model need one collective:
@@ -17,7 +18,11 @@ all-reduces it once over the group the shards partition (a replicated copy, FSDP
 ``NO_SHARD``, needs none), so any weighting written for one process (torchjd's
 aggregators take a Gramian) runs unchanged on the k x k result, the same on every
 rank. ``combine(grads, weights)`` is local; ``apply_grads`` adds the result to
-``.grad`` for the optimizer.
+``.grad`` for the optimizer, inside the block or after it (it writes through
+whatever ``.grad`` holds then, e.g. after a ``zero_grad()``).
+
+Every reduction covers the trainable parameters, or those a ``select`` names:
+see [Note: which parameters a per-loss gradient covers] in ``_grad_layout.py``.
 """
 
 from __future__ import annotations
@@ -29,25 +34,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._grad_layout import Layout, Selection
+
 
 class GradSlots:
     """Where a backend keeps the reduced gradients its optimizer steps on, and how
     ``block.grads`` moves them aside for its pass: here the ``.grad`` of ``holders``
-    (FSDP2's sharded parameters, FSDP1's flat parameters; ``refresh`` after ``.grad``
-    changed from outside FSDP). DeepSpeed keeps them in ZeRO-3's gradient partitions
-    (``_deepspeed_grads``). ``group``: the process group whose ranks hold disjoint
-    shards; ``sharded`` False: every rank holds everything.
+    (FSDP2's sharded parameters). FSDP1 (``_fsdp1_grads.FlatGradSlots``) and ZeRO-3
+    (``_deepspeed_grads.PartitionSlots``) subclass it. ``group``: the process group
+    whose ranks hold disjoint shards; ``sharded`` False: every rank holds everything;
+    ``layout``: which parameter each element of a holder's shard belongs to.
     """
 
-    def __init__(self, holders: list[Any], group: Any, sharded: bool, refresh: Any = None) -> None:
+    def __init__(self, holders: list[Any], group: Any, sharded: bool, layout: Layout) -> None:
         self.holders = holders
         self.group = group
         self.sharded = sharded
-        self._refresh = refresh
-
-    def _changed(self) -> None:
-        if self._refresh is not None:
-            self._refresh()
+        self.layout = layout
 
     def take(self) -> Any:
         """Moves the current gradients aside (the pass then starts from none); returns
@@ -55,7 +58,6 @@ class GradSlots:
         saved = [h.grad for h in self.holders]
         for holder in self.holders:
             holder.grad = None
-        self._changed()
         return saved
 
     def read(self) -> list[torch.Tensor | None]:
@@ -65,18 +67,22 @@ class GradSlots:
     def put(self, saved: Any) -> None:
         for holder, grad in zip(self.holders, saved):
             holder.grad = grad
-        self._changed()
 
-    def add(self, values: list[torch.Tensor | None]) -> None:
-        """Adds ``values`` to the gradients (sets them where there are none)."""
-        for holder, value in zip(self.holders, values):
-            if value is None:
+    def add(self, values: list[torch.Tensor | None], selection: Selection) -> None:
+        """Adds the ``selection`` of ``values`` to the gradients (sets them where
+        there are none)."""
+        for index, (holder, value) in enumerate(zip(self.holders, values)):
+            if value is None or selection.ranges[index] is None:
+                continue
+            if selection.full[index]:
+                if holder.grad is None:
+                    holder.grad = value.detach().clone()
+                else:
+                    holder.grad.add_(value.detach())
                 continue
             if holder.grad is None:
-                holder.grad = value.detach().clone()
-            else:
-                holder.grad.add_(value.detach())
-        self._changed()
+                holder.grad = torch.zeros_like(value)
+            selection.mask_into(index, _local(holder.grad), _local(value))
 
 
 @dataclasses.dataclass
@@ -86,10 +92,24 @@ class LossGrads:
     ``values[i]`` is what the pass would have added to the ``i``-th gradient the
     optimizer steps on (``slots.holders[i].grad``: a DTensor for FSDP2, a flat shard
     for FSDP1; a ZeRO-3 partition), or ``None`` where the loss does not depend on it.
+    ``selection``: the parameters every reduction, ``combine`` and ``apply_grads``
+    covers (the trainable ones unless ``select`` narrowed it).
+
+    Example::
+
+        g = block.grads(loss, retain_graph=True)
+        trunk = g.select(model.trunk)              # a submodule, names or parameters
+        heads = g.select(exclude=model.trunk)
+        print(trunk.norm(), g.norms()["trunk.0.weight"])
     """
 
     slots: GradSlots
     values: list[torch.Tensor | None]
+    selection: Selection = dataclasses.field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.selection is None:
+            self.selection = self.slots.layout.default
 
     @property
     def group(self) -> Any:
@@ -99,21 +119,71 @@ class LossGrads:
     def sharded(self) -> bool:
         return self.slots.sharded
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The parameters this covers (names as in the model's state dict)."""
+        return self.selection.names
+
     def locals(self) -> list[torch.Tensor | None]:
         return [None if v is None else _local(v) for v in self.values]
 
+    def select(self, params: Any = None, *, exclude: Any = None) -> LossGrads:
+        """The same gradients over fewer parameters: those ``params`` names (a
+        submodule, parameter names, a module's name, or the wrapped model's
+        parameters), less those ``exclude`` names. No communication, no copy."""
+        layout = self.slots.layout
+        keep = set(self.names)
+        if params is not None:
+            keep &= set(layout.resolve(params).names)
+        if exclude is not None:
+            keep -= set(layout.resolve(exclude).names)
+        if not keep:
+            raise ValueError(
+                "the selection covers no trainable parameter: check params= and exclude= "
+                f"against the names this covers (e.g. {', '.join(self.names[:3])})"
+            )
+        return dataclasses.replace(self, selection=layout.selection(keep))
+
     def dot(self, other: LossGrads) -> torch.Tensor:
-        """``<self, other>`` over the whole model, the same on every rank (one all-reduce)."""
+        """``<self, other>`` over the covered parameters, the same on every rank (one all-reduce)."""
         return gramian([self, other])[0, 1]
 
     def norm(self) -> torch.Tensor:
-        """The gradient's L2 norm over the whole model (one all-reduce)."""
+        """The gradient's L2 norm over the covered parameters (one all-reduce)."""
         return gramian([self])[0, 0].sqrt()
+
+    def norms(self) -> dict[str, torch.Tensor]:
+        """Each covered parameter's gradient norm by name (float64), the same on
+        every rank: one all-reduce for all of them (for logging per layer)."""
+        layout, wanted = self.slots.layout, set(self.names)
+        names: list[str] = []
+        sums: list[torch.Tensor] = []
+        device = _device([self])
+        for holder, value in zip(layout.segments, self.locals()):
+            flat = None if value is None else value.reshape(-1)
+            for seg in holder:
+                if seg.name not in wanted:
+                    continue
+                names.append(seg.name)
+                if flat is None or seg.stop <= seg.start:
+                    sums.append(torch.zeros((), dtype=torch.float64, device=device))
+                else:
+                    sums.append(flat[seg.start : seg.stop].to(torch.float64).pow(2).sum())
+        total = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device)
+        if self.sharded and dist.is_initialized():
+            dist.all_reduce(total, group=self.group)
+        return dict(zip(names, total.sqrt().unbind()))
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
     to_local = getattr(value, "to_local", None)
     return to_local() if callable(to_local) else value
+
+
+def _device(grads: Sequence[LossGrads]) -> torch.device:
+    return next(
+        (v.device for g in grads for v in g.locals() if v is not None), torch.device("cpu")
+    )
 
 
 def _check_same(grads: Sequence[LossGrads]) -> LossGrads:
@@ -128,25 +198,31 @@ def _check_same(grads: Sequence[LossGrads]) -> LossGrads:
                 "LossGrads from different models or blocks: combine the gradients "
                 "block.grads() returned for one model"
             )
+        if g.selection != first.selection:
+            raise ValueError(
+                "LossGrads over different parameters (one was select()-ed differently): "
+                "select the same parameters on each, e.g. [g.select(model.trunk) for g in grads]"
+            )
     return first
 
 
 def gramian(grads: Sequence[LossGrads]) -> torch.Tensor:
-    """The k x k Gramian ``G[i, j] = <g_i, g_j>`` over the whole model (float64, on
-    the gradients' device), the same on every rank: one all-reduce of the k x k
-    local block (see [Note: per-loss gradients])."""
+    """The k x k Gramian ``G[i, j] = <g_i, g_j>`` over the parameters the gradients
+    cover (float64, on the gradients' device), the same on every rank: one
+    all-reduce of the k x k local block (see [Note: per-loss gradients])."""
     first = _check_same(grads)
+    selection = first.selection
     k = len(grads)
-    device = next(
-        (v.device for g in grads for v in g.locals() if v is not None), torch.device("cpu")
-    )
+    device = _device(grads)
     local = torch.zeros(k, k, dtype=torch.float64, device=device)
     per_loss = [g.locals() for g in grads]
-    for rows in zip(*per_loss):
+    for index, rows in enumerate(zip(*per_loss)):
         present = [(i, r) for i, r in enumerate(rows) if r is not None]
-        if not present:
+        if not present or selection.ranges[index] is None:
             continue
-        matrix = torch.stack([r.reshape(-1).to(torch.float64) for _, r in present])
+        matrix = torch.stack(
+            [selection.pieces(index, r).to(torch.float64) for _, r in present]  # type: ignore[union-attr]
+        )
         block = matrix @ matrix.T
         idx = torch.tensor([i for i, _ in present], device=device)
         local[idx[:, None], idx[None, :]] += block
@@ -156,7 +232,8 @@ def gramian(grads: Sequence[LossGrads]) -> torch.Tensor:
 
 
 def combine(grads: Sequence[LossGrads], weights) -> LossGrads:
-    """``sum_i weights[i] * grads[i]``, shard by shard (no communication)."""
+    """``sum_i weights[i] * grads[i]``, shard by shard (no communication), over the
+    parameters the gradients cover."""
     first = _check_same(grads)
     weights = [float(w) for w in torch.as_tensor(weights).reshape(-1).tolist()]
     if len(weights) != len(grads):
@@ -164,15 +241,17 @@ def combine(grads: Sequence[LossGrads], weights) -> LossGrads:
     values: list[torch.Tensor | None] = []
     for index in range(len(first.values)):
         total = None
-        for w, g in zip(weights, grads):
-            value = g.values[index]
-            if value is not None:
-                total = value * w if total is None else total + value * w
+        if first.selection.ranges[index] is not None:
+            for w, g in zip(weights, grads):
+                value = g.values[index]
+                if value is not None:
+                    total = value * w if total is None else total + value * w
         values.append(total)
     return dataclasses.replace(first, values=values)
 
 
 def apply_grads(grads: LossGrads) -> None:
-    """Adds ``grads`` to ``.grad`` (sets it where it is ``None``): what the optimizer
-    steps on (ZeRO-3: its gradient partitions)."""
-    grads.slots.add(grads.values)
+    """Adds ``grads`` to ``.grad`` (sets it where it is ``None``) over the parameters
+    it covers: what the optimizer steps on (ZeRO-3: its gradient partitions). Inside
+    the block or after it."""
+    grads.slots.add(grads.values, grads.selection)
