@@ -3,7 +3,9 @@
 ZeRO-3 reduce-scatters each parameter's gradient into a partition of the optimizer
 (``__param_id_to_grad_partition``, by ``ds_id``), copying over it in the first
 micro-step after ``zero_grad`` (``micro_step_id == 0``) and adding to it after; the
-parameters' ``.grad`` is dropped. The step reads the partitions. So for
+parameters' ``.grad`` is dropped. The partitions hold this step's gradient once a
+backward's epilogue ran (``_epilogue_ran_this_backward``) or a later micro-step
+started; ``zero_grad()`` sets both back without touching the partitions. The step reads the partitions. So for
 [Note: per-loss gradients] the slots are the partitions, and "moved aside" means:
 their contents and the copy-or-add state put away, the pass run as a first
 micro-step into zeroed partitions (its own gradient alone), then both put back.
@@ -47,8 +49,9 @@ class PartitionSlots(GradSlots):
         self._parts = parts
 
     def _holds_step(self) -> bool:
-        """Whether the partitions hold this step's gradient (else a past step's)."""
-        return bool(self._block._reduced or self._opt.micro_step_id > 0)
+        """Whether the partitions hold this step's gradient (else a past step's, or
+        one a ``zero_grad()`` dropped: it sets both back, whoever reduced)."""
+        return bool(self._opt.micro_step_id > 0 or self._opt._epilogue_ran_this_backward)
 
     def take(self) -> _Saved:
         saved = _Saved(
@@ -82,12 +85,10 @@ class PartitionSlots(GradSlots):
         if not self._holds_step():
             for part in self._parts:
                 part.zero_()
-            # What a reducing pass leaves (DeepSpeedBlock._accumulate_into_partitions):
-            # later passes of the block add to these; the exit sets the count back.
+            # What a reducing pass leaves: later passes of the block add to these
+            # (DeepSpeedBlock._accumulate_into_partitions), as does a next micro-batch.
             self._block._reduced = True
-            if self._opt.micro_step_id == 0:
-                self._opt.micro_step_id = 1
-                self._block._bumped_micro_step = True
+            self._opt._epilogue_ran_this_backward = True
         for index, (part, value) in enumerate(zip(self._parts, values)):
             if value is not None and selection.ranges[index] is not None:
                 part.add_(value.detach().to(part.dtype).view(part.shape))

@@ -153,9 +153,11 @@ def full_grads(engine) -> dict:
 
 
 def full_params(engine) -> dict:
+    """The optimizer's fp32 parameters by name (frozen ones have none: left out)."""
     return {
         n: safe_get_full_fp32_param(p).detach().clone()
         for n, p in engine.module.named_parameters()
+        if p.requires_grad
     }
 
 

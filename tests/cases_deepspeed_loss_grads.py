@@ -14,12 +14,21 @@ fp16 (ZeRO-3's loss scale) is refused before any pass.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
 import fsdp_retain
 from fsdp_retain import no_reshard_between_backwards
-from tests.cases_deepspeed_common import ds_config, full_params, losses, make_engine, tokens
+from tests.cases_deepspeed_common import (
+    assert_close,
+    ds_config,
+    full_params,
+    losses,
+    make_engine,
+    tokens,
+)
 from tests.cases_loss_grads import METHODS
 from tests.harness import Registry
 from tests.parity import world
@@ -105,3 +114,95 @@ def ds_loss_grads_fp16_refused() -> None:
         assert block.backward_passes == 0
         engine.backward(loss)
     engine.step()
+
+
+# Round 2 (issue 38): a frozen embedding, gradients applied after the block and a
+# zero_grad() between passes, PCGrad over the shared parameters (all but lm_head, whose
+# gradient is the plain sum), per-parameter norms by name, and bf16.
+def _engine(frozen: bool, bf16: bool = False):
+    import deepspeed
+
+    from tests.cases_deepspeed_common import make_model, setup
+
+    setup()
+    model = make_model()
+    if frozen:
+        model.model.embed_tokens.weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(bf16=bf16))
+    return engine, ref
+
+
+def _round2_reference(ref, opt, x, shared_only: bool):
+    params = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+    passes = losses(ref(x).logits, K)
+    per_loss = []
+    for loss in passes:
+        grads = torch.autograd.grad(loss, [p for _, p in params], retain_graph=True)
+        grads = [g.detach().clone() for g in grads]
+        for g in grads:
+            dist.all_reduce(g)
+            g /= world()
+        per_loss.append(grads)
+    shared = [not n.startswith("lm_head") if shared_only else True for n, _ in params]
+    flat = [torch.cat([g.reshape(-1) for g, s in zip(gs, shared) if s]).double() for gs in per_loss]
+    gram = torch.stack(flat) @ torch.stack(flat).T
+    weights = METHODS["pcgrad"](gram)
+    for (_, p), s, *gs in zip(params, shared, *per_loss):
+        p.grad = sum(float(w if s else 1.0) * g for w, g in zip(weights, gs))
+    opt.step()
+    opt.zero_grad()
+    return gram, {n: g.double().norm() for (n, _), g in zip(params, per_loss[0])}
+
+
+def _round2(flow: str, shared_only: bool, frozen: bool, bf16: bool = False) -> None:
+    engine, ref = _engine(frozen, bf16)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
+    for step in range(STEPS):
+        x = tokens(step)
+        ref_gram, ref_norms = _round2_reference(ref, ref_opt, x, shared_only)
+        with no_reshard_between_backwards(engine) as block:
+            passes = losses(engine(x).logits, K + 1)
+            if flow != "inside":
+                engine.backward(passes[K], retain_graph=True)  # a normal pass, then dropped
+            if flow == "zero":
+                engine.optimizer.zero_grad()  # ZeRO-3 drops its partitions here (engine.zero_grad only .grad)
+            grads = [block.grads(loss, retain_graph=True) for loss in passes[:K]]
+            weigh = [g.select(exclude="lm_head") for g in grads] if shared_only else grads
+            gram = fsdp_retain.gramian(weigh)
+            update = [fsdp_retain.combine(weigh, METHODS["pcgrad"](gram))]
+            if shared_only:
+                update.append(fsdp_retain.combine([g.select("lm_head") for g in grads], [1.0] * K))
+            norms = grads[0].norms()
+            if flow != "after":
+                for u in update:
+                    fsdp_retain.apply_grads(u)
+        if flow == "after":
+            engine.optimizer.zero_grad()  # ZeRO-3 drops its partitions here (engine.zero_grad only .grad)
+            for u in update:
+                fsdp_retain.apply_grads(u)
+        engine.step()
+        if bf16:
+            scale = ref_gram.abs().max()
+            assert (gram - ref_gram).abs().max() <= 5e-2 * scale, (gram, ref_gram)
+            assert_close(full_params(engine), {n: p.detach() for n, p in ref.named_parameters()},
+                         f"step {step}: params", bf16=True)
+            continue
+        torch.testing.assert_close(gram, ref_gram, **GRAM_CLOSE)
+        assert set(norms) == set(ref_norms), sorted(set(norms) ^ set(ref_norms))
+        for name, value in norms.items():
+            torch.testing.assert_close(value, ref_norms[name], **GRAM_CLOSE,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+        expected = {n: p.detach() for n, p in ref.named_parameters() if p.requires_grad}
+        actual = full_params(engine)
+        for name, value in expected.items():
+            torch.testing.assert_close(actual[name], value, **CLOSE,
+                                       msg=lambda m, n=name: f"step {step}: {n}: {m}")
+
+
+registry.add("ds_loss_grads_frozen_shared_after", lambda: _round2("after", True, True))
+registry.add("ds_loss_grads_frozen_all_zero_between", lambda: _round2("zero", False, True))
+registry.add("ds_loss_grads_shared_inside", lambda: _round2("inside", True, False))
+registry.add("ds_loss_grads_bf16_shared_after", lambda: _round2("after", True, False, bf16=True))
+registry.add("ds_loss_grads_all_after", lambda: _round2("after", False, False))
