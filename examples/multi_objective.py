@@ -7,6 +7,7 @@ Run (2 processes; CPU with gloo, or one GPU per process with NCCL if CUDA is the
     torchrun --nproc_per_node 2 examples/multi_objective.py --fsdp 1           # PCGrad, FSDP1
     torchrun --nproc_per_node 2 examples/multi_objective.py --method upgrad    # torchjd's UPGrad
     torchrun --nproc_per_node 2 examples/multi_objective.py --method norms     # log, then sum
+    torchrun --nproc_per_node 2 examples/multi_objective.py --method upgrad --shared-only
 
 A shared trunk with three task heads. Every method here needs each task's gradient
 separately: PCGrad (Yu et al. 2020) projects each task's gradient off the others it
@@ -19,6 +20,12 @@ sharded as usual (one reduce-scatter per unit), and the method runs on the k x k
 Gramian of the task gradients (one all-reduce), the same on every rank. The script
 trains both ways side by side, prints how far apart their parameters end up (float
 rounding; it exits non-zero otherwise) and the step-time ratio.
+
+``--shared-only`` is what torchjd's ``mtl_backward`` + ``jac_to_grad(shared, UPGrad())``
+computes: the method weighs the task gradients over the shared trunk only (their
+Gramian over ``model.blocks``), and each head gets its own task's gradient. One
+forward still serves every task: ``LossGrads.select`` narrows the gradients to the
+trunk, or to everything but it.
 """
 
 import argparse
@@ -115,20 +122,26 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def step_k_forwards(model, optimizer, x, targets, method) -> list[float]:
+def step_k_forwards(model, optimizer, x, targets, method, shared_only: bool) -> list[float]:
     """Without the library: a forward and a backward per task, each gradient copied out."""
     params = list(model.parameters())
+    trunk = {id(p) for p in model.blocks.parameters()}
+    weighed = [id(p) in trunk or not shared_only for p in params]
     grads = []
     for i in range(len(targets)):
         task_losses(model(x), targets)[i].backward()  # one forward per task
         grads.append([None if p.grad is None else p.grad.detach().clone() for p in params])
         optimizer.zero_grad()
-    flat = [torch.cat([local(g).reshape(-1) for g in gs if g is not None]).double() for gs in grads]
+    flat = [
+        torch.cat([local(g).reshape(-1) for g, w in zip(gs, weighed) if g is not None and w]).double()
+        for gs in grads
+    ]
     gram = torch.stack(flat) @ torch.stack(flat).T
     dist.all_reduce(gram)  # the shards partition the model: their Gramians add up
     weights = method(gram)
-    for p, *gs in zip(params, *grads):
-        present = [(float(w), g) for w, g in zip(weights, gs) if g is not None]
+    for p, w_p, *gs in zip(params, weighed, *grads):
+        ws = weights if w_p else [1.0] * len(gs)  # a head: its own task's gradient
+        present = [(float(w), g) for w, g in zip(ws, gs) if g is not None]
         if present:
             p.grad = sum(w * g for w, g in present)
     optimizer.step()
@@ -136,16 +149,20 @@ def step_k_forwards(model, optimizer, x, targets, method) -> list[float]:
     return gram.diagonal().sqrt().tolist()
 
 
-def step_one_forward(model, optimizer, x, targets, method) -> list[float]:
+def step_one_forward(model, optimizer, x, targets, method, shared_only: bool) -> list[float]:
     # New code #
     with no_reshard_between_backwards(model) as block:
         losses = task_losses(model(x), targets)  # one forward for every task
         grads = [block.grads(loss, retain_graph=True) for loss in losses]
-        gram = fsdp_retain.gramian(grads)  # k x k, one all-reduce
-        fsdp_retain.apply_grads(fsdp_retain.combine(grads, method(gram)))
+        weighed = [g.select(model.blocks) for g in grads] if shared_only else grads
+        gram = fsdp_retain.gramian(weighed)  # k x k, one all-reduce
+        fsdp_retain.apply_grads(fsdp_retain.combine(weighed, method(gram)))
+        if shared_only:  # each head: its own task's gradient
+            heads = [g.select(exclude=model.blocks) for g in grads]
+            fsdp_retain.apply_grads(fsdp_retain.combine(heads, [1.0] * len(heads)))
     optimizer.step()
     optimizer.zero_grad()
-    return gram.diagonal().sqrt().tolist()  # each task's gradient norm
+    return gram.diagonal().sqrt().tolist()  # each task's gradient norm (over the trunk)
 
 
 def main() -> None:
@@ -153,6 +170,11 @@ def main() -> None:
     parser.add_argument("--fsdp", type=int, choices=(1, 2), default=2)
     parser.add_argument("--method", choices=sorted(METHODS), default="pcgrad")
     parser.add_argument("--tasks", type=int, default=3)
+    parser.add_argument(
+        "--shared-only", action="store_true",
+        help="weigh over the shared trunk only; each head gets its own task's gradient "
+        "(torchjd's mtl_backward)",
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     parser.add_argument("--dim", type=int, default=None, help="default: 128 on CPU, 2048 on GPU")
@@ -191,7 +213,9 @@ def main() -> None:
             if on_gpu:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            norms[name] = steps[name](models[name], optimizers[name], x, targets, method)
+            norms[name] = steps[name](
+                models[name], optimizers[name], x, targets, method, args.shared_only
+            )
             if on_gpu:
                 torch.cuda.synchronize()
             if step >= args.warmup:
@@ -208,7 +232,7 @@ def main() -> None:
         print(
             f"FSDP{args.fsdp}, {dist.get_world_size()} ranks, {device.type}, {args.tasks} tasks, "
             f"{args.layers} blocks of dim {dim}, batch {batch}/rank, {args.steps} "
-            f"{args.method} steps"
+            f"{args.method} steps" + (" (weighing the shared trunk only)" if args.shared_only else "")
         )
         print("last step's task gradient norms: " + ", ".join(f"{n:.4g}" for n in norms["one_forward"]))
         print(f"max |param difference| vs {args.tasks} forwards: {max_diff.item():.3g}")

@@ -140,16 +140,24 @@ def test_quickstart(fsdp):
     assert _blocks(out) == [expected] * steps
 
 
-@pytest.mark.parametrize("fsdp, method", [(2, "pcgrad"), (1, "pcgrad"), (2, "upgrad")])
-def test_multi_objective(fsdp, method):
-    """multi_objective.py --fsdp {2,1} --method {pcgrad,upgrad} (4 blocks + root, 3
-    tasks), 2 CPU ranks: one forward with block.grads per task == a forward per task."""
+@pytest.mark.parametrize(
+    "fsdp, method, shared",
+    [(2, "pcgrad", False), (1, "pcgrad", False), (2, "upgrad", False), (2, "upgrad", True),
+     (1, "pcgrad", True)],
+)
+def test_multi_objective(fsdp, method, shared):
+    """multi_objective.py --fsdp {2,1} --method {pcgrad,upgrad} [--shared-only] (4 blocks
+    + root, 3 tasks), 2 CPU ranks: one forward with block.grads per task == a forward per
+    task; with --shared-only the method weighs the trunk's gradients and each head gets
+    its own task's (torchjd's mtl_backward; tests/cases_loss_grads_stacks.py checks the
+    library against torchjd itself)."""
     if method == "upgrad":
         pytest.importorskip("torchjd", reason="the mtl extra (in the test extra)")
     steps, units, tasks = 4, 4 + 1, 3
     args = ["--fsdp", str(fsdp), "--steps", str(steps), "--warmup", "1", "--method", method]
-    out = _check_ok(_torchrun("multi_objective.py", *args))
+    out = _check_ok(_torchrun("multi_objective.py", *args, *(["--shared-only"] if shared else [])))
     assert f"FSDP{fsdp}, 2 ranks, cpu, {tasks} tasks" in out
+    assert ("weighing the shared trunk only" in out) == shared, out
     assert _number(r"max \|param difference\| vs 3 forwards: (\S+)", out) <= 1e-4
     # keep_unsharded=True: U all-gathers; one reduce-scatter per unit per task; the
     # Gramian's one all-reduce.
