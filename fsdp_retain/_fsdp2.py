@@ -62,6 +62,7 @@ from ._fsdp2_compat import (
     param_groups,
     reset_iteration,
     run_root_final_callback,
+    replica_weights,
     shard_group,
     training_state_enum,
 )
@@ -268,16 +269,15 @@ class FSDP2Block(BlockBase):
     def _grad_slots(self) -> GradSlots:
         if not all(saved["reduce_grads"] for _, saved in self._saved_groups):
             raise ValueError(_GRADS_NEED_SYNC)
-        holders = [fp.sharded_param for g in self._groups for fp in g.fsdp_params]
-        groups = {shard_group(p) for p in holders}
-        if len(groups) != 1 or None in groups:
-            raise ValueError(
-                "block.grads() needs every parameter sharded over one data-parallel "
-                "group (1-D FSDP2 or HSDP); this model's parameters are sharded over "
-                f"{len(groups)} (e.g. with tensor parallelism): not supported yet."
-            )
         if self._slots is None:
-            self._slots = GradSlots(holders, groups.pop(), True, fsdp2_layout(self.model, self._groups))
+            holders = [fp.sharded_param for g in self._groups for fp in g.fsdp_params]
+            groups = {shard_group(p) for p in holders}
+            # 1-D FSDP2 or HSDP: the shards of one group; with tensor parallelism (or
+            # parameters on different meshes) each counts once over all ranks.
+            one = len(groups) == 1 and None not in groups
+            self._slots = GradSlots(holders, groups.pop() if one else None, True,
+                                    fsdp2_layout(self.model, self._groups),
+                                    None if one else replica_weights(holders))
         return self._slots
 
     # Pass boundaries #

@@ -218,6 +218,42 @@ def shard_group(param: Any) -> Any:
     return param.device_mesh.get_group(dims[0])
 
 
+def replica_weights(params: list[Any]) -> list[float]:
+    """Per DTensor parameter: 1 / the ranks of the default group that hold the same
+    shard of it (its mesh dimensions placed ``Replicate``, and the ranks outside its
+    mesh when it lives on a sub-mesh, e.g. FSDP's ``dp`` mesh beside TP's 2-D one).
+    Summing ``weight * local value`` over all ranks counts each element once. A
+    ``ValueError`` says why where that sum is not the model's: a ``Partial``
+    placement, or meshes that do not span the default group (pipeline stages)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    spanned: set[int] = set()
+    weights = []
+    for param in params:
+        mesh = param.device_mesh
+        spanned.update(mesh.mesh.flatten().tolist())
+        shards = 1
+        for size, placement in zip(mesh.shape, param.placements):
+            if placement.is_partial():
+                raise ValueError(
+                    f"block.grads() got a gradient placed {placement} (a pending sum): it "
+                    "needs each gradient reduced. Not supported for this parallelism."
+                )
+            if not placement.is_replicate():
+                shards *= size
+        if world % shards:
+            raise ValueError(f"block.grads(): {shards} shards do not divide {world} ranks")
+        weights.append(shards / world)
+    if spanned != set(range(world)):
+        raise ValueError(
+            "block.grads() sums its Gramian over every rank of the default process group, "
+            f"but this model's meshes span ranks {sorted(spanned)} of {world} (pipeline "
+            "stages?): not supported. Run it on a model whose meshes span all ranks."
+        )
+    return weights
+
+
 def local_storage(param: Any) -> Any:
     """The storage that holds ``param``'s data on this rank: a DTensor's (tensor
     parallelism composed with FSDP2) is its local tensor's; the wrapper's own

@@ -43,14 +43,21 @@ class GradSlots:
     (FSDP2's sharded parameters). FSDP1 (``_fsdp1_grads.FlatGradSlots``) and ZeRO-3
     (``_deepspeed_grads.PartitionSlots``) subclass it. ``group``: the process group
     whose ranks hold disjoint shards; ``sharded`` False: every rank holds everything;
-    ``layout``: which parameter each element of a holder's shard belongs to.
+    ``layout``: which parameter each element of a holder's shard belongs to;
+    ``weights``: per holder, 1 / the ranks of ``group`` that hold the same shard
+    (tensor parallelism: ``group`` is then the default group), ``None``: all 1.
     """
 
-    def __init__(self, holders: list[Any], group: Any, sharded: bool, layout: Layout) -> None:
+    def __init__(self, holders: list[Any], group: Any, sharded: bool, layout: Layout,
+                 weights: list[float] | None = None) -> None:
         self.holders = holders
         self.group = group
         self.sharded = sharded
         self.layout = layout
+        self.weights = weights
+
+    def weight(self, index: int) -> float:
+        return 1.0 if self.weights is None else self.weights[index]
 
     def take(self) -> Any:
         """Moves the current gradients aside (the pass then starts from none); returns
@@ -159,7 +166,7 @@ class LossGrads:
         names: list[str] = []
         sums: list[torch.Tensor] = []
         device = _device([self])
-        for holder, value in zip(layout.segments, self.locals()):
+        for index, (holder, value) in enumerate(zip(layout.segments, self.locals())):
             flat = None if value is None else value.reshape(-1)
             for seg in holder:
                 if seg.name not in wanted:
@@ -168,7 +175,8 @@ class LossGrads:
                 if flat is None or seg.stop <= seg.start:
                     sums.append(torch.zeros((), dtype=torch.float64, device=device))
                 else:
-                    sums.append(flat[seg.start : seg.stop].to(torch.float64).pow(2).sum())
+                    piece = flat[seg.start : seg.stop].to(torch.float64)
+                    sums.append(piece.pow(2).sum() * self.slots.weight(index))
         total = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device)
         if self.sharded and dist.is_initialized():
             dist.all_reduce(total, group=self.group)
@@ -223,7 +231,7 @@ def gramian(grads: Sequence[LossGrads]) -> torch.Tensor:
         matrix = torch.stack(
             [selection.pieces(index, r).to(torch.float64) for _, r in present]  # type: ignore[union-attr]
         )
-        block = matrix @ matrix.T
+        block = (matrix @ matrix.T) * first.slots.weight(index)
         idx = torch.tensor([i for i, _ in present], device=device)
         local[idx[:, None], idx[None, :]] += block
     if first.sharded and dist.is_initialized():

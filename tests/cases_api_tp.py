@@ -257,20 +257,54 @@ def tp_2d_loss_parallel() -> None:
 
 
 @registry.case(world_sizes=(4,))
-def tp_2d_block_grads_refused() -> None:
-    """``block.grads`` needs the shards of one mesh dimension (a Gramian summed over
-    TP shards and TP replicas would count some twice): refused before the pass,
-    naming why; the step goes on."""
+def tp_2d_block_grads_pcgrad() -> None:
+    """``block.grads`` on FSDP2 x TP: the Gramian counts each element once over the
+    (dp, tp) mesh (TP shards summed, TP-replicated parameters such as ``inp`` and the
+    biases of ``fc2`` not counted twice), so PCGrad's weights, each parameter's norm by
+    name and the trunk's norm equal the one-process method's (3 losses, 3 steps)."""
+    import fsdp_retain
     from fsdp_retain import no_reshard_between_backwards
+    from tests.cases_loss_grads import pcgrad_weights
 
+    ref = reference_copy(make_tp_net())
     model = wrap_2d(make_tp_net())
-    with no_reshard_between_backwards(model) as block:
-        out = model(dp_batch(0))
-        try:
-            block.grads(LOSSES[0](out), retain_graph=True)
-        except ValueError as e:
-            assert "tensor parallelism" in str(e), e
-        else:
-            raise AssertionError("block.grads ran over TP-sharded parameters")
-        assert block.backward_passes == 0
-        LOSSES[1](out).backward()
+    opt, ref_opt = sgd(model), sgd(ref)
+    names = [n for n, _ in ref.named_parameters()]
+    for step in range(3):
+        x = dp_batch(step)
+        out = ref(x)
+        per_loss = []
+        for fn in LOSSES:
+            grads = torch.autograd.grad(fn(out), list(ref.parameters()), retain_graph=True)
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            torch.distributed.all_reduce(flat)
+            per_loss.append(flat / torch.distributed.get_world_size())
+        rows = torch.stack(per_loss).double()
+        ref_gram = rows @ rows.T
+        weights = pcgrad_weights(ref_gram)
+        combined = sum(float(w) * g for w, g in zip(weights, per_loss))
+        offset = 0
+        ref_norms = {}
+        for name, p in ref.named_parameters():
+            p.grad = combined[offset:offset + p.numel()].view_as(p).clone()
+            ref_norms[name] = per_loss[0][offset:offset + p.numel()].double().norm()
+            offset += p.numel()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with no_reshard_between_backwards(model) as block:
+            out = model(x)
+            grads = [block.grads(fn(out), retain_graph=True) for fn in LOSSES]
+            gram = fsdp_retain.gramian(grads)
+            norms = grads[0].norms()
+            trunk = grads[0].select(model.blocks).norm()
+            fsdp_retain.apply_grads(fsdp_retain.combine(grads, pcgrad_weights(gram)))
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(gram, ref_gram, rtol=1e-6, atol=1e-6 * float(ref_gram.abs().max()))
+        assert sorted(norms) == sorted(names), (list(norms), names)
+        for name in names:
+            torch.testing.assert_close(norms[name], ref_norms[name], rtol=1e-6, atol=1e-9)
+        want = sum(float(v) ** 2 for n, v in ref_norms.items() if n.startswith("blocks.")) ** 0.5
+        torch.testing.assert_close(float(trunk), want, rtol=1e-6, atol=1e-9)
+        assert_close_dicts(f2.full_params(model),
+                           {n: p.detach() for n, p in ref.named_parameters()}, f"step {step}")
