@@ -162,14 +162,19 @@ def _torchjd_step(ref: nn.Module, x: torch.Tensor, params, shared) -> torch.Tens
 
 
 def wrap(flavour: str, model: nn.Module) -> tuple[nn.Module, object]:
-    if flavour == "fsdp2":
+    if flavour.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None
+        if flavour == "fsdp2_hsdp":
+            mesh = init_device_mesh("cpu", (world() // 2, 2), mesh_dim_names=("replicate", "shard"))
         for block in inner(model).blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model, f2.ADAPTER
-    strategy = {"full": f1.FULL, "gradop": f1.GRAD_OP, "noshard": f1.NO_SHARD}[flavour.split("_")[1]]
+    strategy = {"full": f1.FULL, "gradop": f1.GRAD_OP, "noshard": f1.NO_SHARD,
+                "hybrid": f1.HYBRID}[flavour.split("_")[1]]
     return f1.wrap(model, strategy, use_orig_params=flavour.endswith("orig")), f1.ADAPTER
 
 
@@ -270,6 +275,21 @@ for _flavour, _keep in zip(("fsdp2", "fsdp1_full_flat", "fsdp1_full_orig", "fsdp
             f"loss_grads_{_flavour}_plain_{_method}_inside_keep_{_keep}",
             lambda f=_flavour, m=_method, k=_keep: parity(f, "plain", m, "inside", k),
         )
+
+
+# HSDP, 4 ranks (2 replicas of 2 shards): the Gramian is summed over one replica's shards.
+for _flavour, _variant, _method, _flow, _keep in (
+    ("fsdp1_hybrid_orig", "tied", "all", "after", True),
+    ("fsdp1_hybrid_orig", "lora", "shared", "zero_none", "budget"),
+    ("fsdp1_hybrid_flat", "plain", "mtl", "inside", False),
+    ("fsdp2_hsdp", "lora", "mtl", "zero_fill", True),
+    ("fsdp2_hsdp", "tied", "all", "after_fill", False),
+):
+    registry.add(
+        f"loss_grads_{_flavour}_{_variant}_{_method}_{_flow}_keep_{_keep}",
+        lambda f=_flavour, v=_variant, m=_method, fl=_flow, k=_keep: parity(f, v, m, fl, k),
+        world_sizes=(4,),
+    )
 
 
 def _norms(flavour: str, variant: str) -> None:
