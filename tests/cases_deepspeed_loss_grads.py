@@ -39,6 +39,7 @@ K = 3
 CLOSE = dict(rtol=1e-6, atol=1e-6)
 # The Gramian's entries reach ~300: fp32 sums in ZeRO-3's and the reference's orders.
 GRAM_CLOSE = dict(rtol=1e-5, atol=1e-6)
+LORA_CLOSE = dict(rtol=1e-4, atol=1e-5)
 
 
 def _reference_step(ref, opt, x, weigh, plain_first: bool):
@@ -119,14 +120,19 @@ def ds_loss_grads_fp16_refused() -> None:
 # Round 2 (issue 38): a frozen embedding, gradients applied after the block and a
 # zero_grad() between passes, PCGrad over the shared parameters (all but lm_head, whose
 # gradient is the plain sum), per-parameter norms by name, and bf16.
-def _engine(frozen: bool, bf16: bool = False):
+def _engine(frozen: bool | str, bf16: bool = False):
     import deepspeed
 
     from tests.cases_deepspeed_common import make_model, setup
 
     setup()
     model = make_model()
-    if frozen:
+    if frozen == "lora":  # a frozen base beside the adapters in every layer; lm_head trained
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+        model.base_model.model.lm_head.weight.requires_grad_(True)
+    elif frozen:
         model.model.embed_tokens.weight.requires_grad_(False)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
@@ -145,7 +151,7 @@ def _round2_reference(ref, opt, x, shared_only: bool):
             dist.all_reduce(g)
             g /= world()
         per_loss.append(grads)
-    shared = [not n.startswith("lm_head") if shared_only else True for n, _ in params]
+    shared = [("lm_head" not in n) if shared_only else True for n, _ in params]
     flat = [torch.cat([g.reshape(-1) for g, s in zip(gs, shared) if s]).double() for gs in per_loss]
     gram = torch.stack(flat) @ torch.stack(flat).T
     weights = METHODS["pcgrad"](gram)
@@ -156,24 +162,26 @@ def _round2_reference(ref, opt, x, shared_only: bool):
     return gram, {n: g.double().norm() for (n, _), g in zip(params, per_loss[0])}
 
 
-def _round2(flow: str, shared_only: bool, frozen: bool, bf16: bool = False) -> None:
+def _round2(flow: str, shared_only: bool, frozen: bool | str, bf16: bool = False,
+            keep: bool = True) -> None:
     engine, ref = _engine(frozen, bf16)
+    head = "base_model.model.lm_head" if frozen == "lora" else "lm_head"
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
     for step in range(STEPS):
         x = tokens(step)
         ref_gram, ref_norms = _round2_reference(ref, ref_opt, x, shared_only)
-        with no_reshard_between_backwards(engine) as block:
+        with no_reshard_between_backwards(engine, keep_unsharded=keep) as block:
             passes = losses(engine(x).logits, K + 1)
             if flow != "inside":
                 engine.backward(passes[K], retain_graph=True)  # a normal pass, then dropped
             if flow == "zero":
                 engine.optimizer.zero_grad()  # ZeRO-3 drops its partitions here (engine.zero_grad only .grad)
             grads = [block.grads(loss, retain_graph=True) for loss in passes[:K]]
-            weigh = [g.select(exclude="lm_head") for g in grads] if shared_only else grads
+            weigh = [g.select(exclude=head) for g in grads] if shared_only else grads
             gram = fsdp_retain.gramian(weigh)
             update = [fsdp_retain.combine(weigh, METHODS["pcgrad"](gram))]
             if shared_only:
-                update.append(fsdp_retain.combine([g.select("lm_head") for g in grads], [1.0] * K))
+                update.append(fsdp_retain.combine([g.select(head) for g in grads], [1.0] * K))
             norms = grads[0].norms()
             if flow != "after":
                 for u in update:
@@ -189,15 +197,18 @@ def _round2(flow: str, shared_only: bool, frozen: bool, bf16: bool = False) -> N
             assert_close(full_params(engine), {n: p.detach() for n, p in ref.named_parameters()},
                          f"step {step}: params", bf16=True)
             continue
-        torch.testing.assert_close(gram, ref_gram, **GRAM_CLOSE)
+        # LoRA's B @ A product grows the fp32 reassociation of the steps before (seen:
+        # 1e-7 in steps 1-2, 1e-5 in step 3); a lost or doubled pass is off by ~100%.
+        gram_tol, param_tol = (LORA_CLOSE, LORA_CLOSE) if frozen == "lora" else (GRAM_CLOSE, CLOSE)
+        torch.testing.assert_close(gram, ref_gram, **gram_tol)
         assert set(norms) == set(ref_norms), sorted(set(norms) ^ set(ref_norms))
         for name, value in norms.items():
-            torch.testing.assert_close(value, ref_norms[name], **GRAM_CLOSE,
+            torch.testing.assert_close(value, ref_norms[name], **gram_tol,
                                        msg=lambda m, n=name: f"{n}: {m}")
         expected = {n: p.detach() for n, p in ref.named_parameters() if p.requires_grad}
         actual = full_params(engine)
         for name, value in expected.items():
-            torch.testing.assert_close(actual[name], value, **CLOSE,
+            torch.testing.assert_close(actual[name], value, **param_tol,
                                        msg=lambda m, n=name: f"step {step}: {n}: {m}")
 
 
@@ -206,3 +217,5 @@ registry.add("ds_loss_grads_frozen_all_zero_between", lambda: _round2("zero", Fa
 registry.add("ds_loss_grads_shared_inside", lambda: _round2("inside", True, False))
 registry.add("ds_loss_grads_bf16_shared_after", lambda: _round2("after", True, False, bf16=True))
 registry.add("ds_loss_grads_all_after", lambda: _round2("after", False, False))
+registry.add("ds_loss_grads_lora_shared_zero_between_regather",
+             lambda: _round2("zero", True, "lora", keep=False))
