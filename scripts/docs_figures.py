@@ -292,8 +292,9 @@ def fit_peaks(path: str) -> str:
     return render_fit_table(Report.from_json(source(path)))
 
 
-def verl_memory(*paths: str) -> str:
-    """verl's memory table: a row per model, the two-forward peak and the block's modes."""
+def model_peaks(*paths: str) -> str:
+    """A row per run (model): its size, two-forward's peak per rank and the block's modes
+    against it (verl.md's memory table)."""
     modes = [("two-forward", "two_forward"), ('`keep_unsharded=True`, `"every"`', "keep:every"),
              ('`keep_unsharded=True`, `"last"`', "keep:last"),
              ('`keep_unsharded=False`, `"every"`', "regather:every")]
@@ -347,10 +348,6 @@ def _budget_fit_rows() -> list[tuple[dict, int, list[str]]]:
     return found
 
 
-def _model_ac(cfg: dict) -> list[str]:
-    return [cfg["size"].upper(), "yes" if cfg["activation_checkpointing"] else "no"]
-
-
 def budget_fit(*backends: str) -> str:
     """The largest ``keep_unsharded`` that fits, per model, activation checkpointing, GPU
     memory, backend and sync_grads, from docs/report/budget_fit/*/report.json (the rows
@@ -368,7 +365,8 @@ def budget_fit(*backends: str) -> str:
     for cfg, size, cells in _budget_fit_rows():
         if backends and cells[0] not in backends:
             continue
-        row = [*_model_ac(cfg), f"{size / GiB:.0f}", *(cells[1:] if backends else cells)]
+        ac = "yes" if cfg["activation_checkpointing"] else "no"
+        row = [cfg["size"].upper(), ac, f"{size / GiB:.0f}", *(cells[1:] if backends else cells)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -418,7 +416,7 @@ def compat_rows() -> str:
 TABLES: dict[str, Callable[..., str]] = {
     "cost-table": cost_table,
     "fit-peaks": fit_peaks,
-    "verl-memory": verl_memory,
+    "model-peaks": model_peaks,
     "budget-fit": budget_fit,
     "budget-fit-differences": budget_fit_differences,
     "will-it-fit": will_it_fit,
