@@ -12,7 +12,15 @@ from typing import assert_type
 import torch
 import torch.nn as nn
 
-from fsdp_retain import RetainBlock, SyncGrads, no_reshard_between_backwards
+from fsdp_retain import (
+    LossGrads,
+    RetainBlock,
+    SyncGrads,
+    apply_grads,
+    combine,
+    gramian,
+    no_reshard_between_backwards,
+)
 
 
 def two_losses(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> int:
@@ -41,6 +49,18 @@ def budget_and_one_pass_hook(model: nn.Module, batch: torch.Tensor) -> None:
         model.register_full_backward_hook(hook)
         out = model(batch)
         block.backward(out.sum(), param_grads=False, retain_graph=True)
+
+
+def shared_trunk(model: nn.Module, trunk: nn.Module, losses: list[torch.Tensor]) -> dict[str, float]:
+    with no_reshard_between_backwards(model) as block:
+        grads = [block.grads(loss, retain_graph=True) for loss in losses]
+        shared = [g.select(trunk) for g in grads]
+        assert_type(shared[0], LossGrads)
+        apply_grads(combine(shared, gramian(shared).diagonal().rsqrt()))
+        apply_grads(combine([g.select(exclude=trunk) for g in grads], [1.0] * len(grads)))
+        head = block.grads(losses[0], params=["head.weight"])
+        names: tuple[str, ...] = head.names
+    return {name: float(norm) for name, norm in grads[0].norms().items() if name in names}
 
 
 def misuse(model: nn.Module, loss: torch.Tensor) -> None:
