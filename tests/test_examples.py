@@ -371,7 +371,7 @@ LIGHTNING = [("trainer", 1, "lightning"), ("trainer", 1, "user"), ("trainer", 2,
 
 
 def _lightning(api: str, fsdp: int, wrap: str, *extra: str) -> subprocess.CompletedProcess:
-    pytest.importorskip("lightning", reason="pip install fsdp-retain[lightning]")
+    pytest.importorskip("lightning", reason="the lightning extra: pip install '.[lightning]'")
     args = ["--api", api, "--fsdp", str(fsdp), "--wrap", wrap, *extra]
     # Lightning starts the second rank itself; its port from the environment.
     return _run([sys.executable, str(EXAMPLES / "lightning_manual.py"), *args],
