@@ -15,14 +15,15 @@ all-gathers, so agreement alone would not show that the block did anything).
   3 tasks with ``block.grads`` and one forward matches a forward per task; one reduce-scatter per unit per task and
   one all-reduce (the Gramian) per step.
 - accelerate/train.py with fsdp2.yaml and fsdp1.yaml, through
-  ``tests/accelerate_cpu_fsdp.py`` (accelerate's FSDP setup on CPU; see its
+  ``examples/accelerate_cpu_fsdp.py`` (accelerate's FSDP setup on CPU; see its
   docstring): accelerate really wrapped the model (FSDP version, device, wrapper
   class and unit count printed by the script) and training with gradient
   accumulation 2 matches an unsharded single-process replay, which divides each
   loss by the accumulation steps itself; micro-batches inside
   ``accelerator.accumulate`` that do not sync reduce-scatter nothing.
 - accelerate/train.py launched without the shim (accelerate falls back to
-  independent processes) and with ``ACCELERATE_USE_CPU=1`` (DDP): it refuses.
+  independent processes) and with ``ACCELERATE_USE_CPU=1`` (DDP): it refuses; with
+  ``accelerate launch --cpu --num_processes 2`` (one process): it says so.
 - influence_trace.py at tiny size, FSDP2 and FSDP1, ``--mode both`` (2
   micro-batches per step, the first without gradient sync, backward 1 a probe
   pass): gradient projections and final parameters agree between the two
@@ -63,7 +64,7 @@ from tests.harness import ROOT, run_retrying_exit_abort, timeout_scale
 
 EXAMPLES = ROOT / "examples"
 COUNT_BLOCKS = str(ROOT / "tests" / "count_blocks.py")
-CPU_FSDP = str(ROOT / "tests" / "accelerate_cpu_fsdp.py")
+CPU_FSDP = str(ROOT / "examples" / "accelerate_cpu_fsdp.py")
 TIMEOUT = 300 * timeout_scale()
 
 
@@ -198,7 +199,19 @@ def test_accelerate_train_refuses_fallback(env, fallback):
     # Said once (by rank 0), with the CPU command that works.
     assert out.count("error: accelerate set up") == 1, out[-4000:]
     assert ("accelerate launch --config_file examples/accelerate/fsdp2.yaml "
-            "tests/accelerate_cpu_fsdp.py examples/accelerate/train.py") in out
+            "examples/accelerate_cpu_fsdp.py examples/accelerate/train.py") in out
+    assert "agreement" not in proc.stdout
+
+
+def test_accelerate_train_says_one_process():
+    """accelerate launch --cpu --num_processes 2 starts one process: the example says so."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
+    proc = _run(cmd + [str(EXAMPLES / "accelerate" / "train.py")])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "error: accelerate launch started 1 process: with --cpu" in out, out[-4000:]
+    assert ("accelerate launch --config_file examples/accelerate/fsdp2.yaml "
+            "examples/accelerate_cpu_fsdp.py examples/accelerate/train.py") in out
     assert "agreement" not in proc.stdout
 
 
