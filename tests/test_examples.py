@@ -43,6 +43,8 @@ all-gathers, so agreement alone would not show that the block did anything).
   ``--head-norms`` (``block.grads`` per head) each head's gradient norm matches the
   reference's; without the block FSDP2 re-gathers and reduces the trunk in every head's
   backward, and FSDP1 fails in the second.
+- An example whose package is missing (an ImportError shim on ``PYTHONPATH``) says
+  so once, naming what installs it, before any rank starts work.
 - The influence example's ``GradientProjector`` against per-sequence gradients
   computed one sequence at a time (in this process, no FSDP).
 """
@@ -86,11 +88,12 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
     return run_retrying_exit_abort(args, cwd=ROOT, env=full_env, timeout=TIMEOUT)
 
 
-def _torchrun(script: str, *script_args: str, count_blocks: bool = True):
+def _torchrun(script: str, *script_args: str, count_blocks: bool = True,
+              env: dict[str, str] | None = None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
     cmd += [COUNT_BLOCKS] if count_blocks else []
-    return _run(cmd + [str(EXAMPLES / script), *script_args])
+    return _run(cmd + [str(EXAMPLES / script), *script_args], env)
 
 
 def _accelerate(config: str, *script: str, env: dict[str, str] | None = None):
@@ -157,6 +160,38 @@ def test_multi_objective(fsdp, method):
     expected = {"passes": tasks, "all_gather": units, "reduce_scatter": tasks * units,
                 "all_reduce": 1}
     assert _blocks(out) == [expected] * steps
+
+
+FROM_CLONE = "from a clone of this repository: pip install '.[{}]'"
+MISSING = [  # script, its arguments, the package hidden, how the message says to install it
+    ("multi_objective.py", ["--method", "upgrad"], "torchjd", f" {FROM_CLONE.format('mtl')}"),
+    ("influence_trace.py", ["--size", "tiny"], "transformers", f" {FROM_CLONE.format('examples')}"),
+    ("influence_bergson.py", [], "bergson",
+     ": pip install bergson==2.5.1 (docs/integrations/bergson.md)"),
+    ("lightning_manual.py", [], "lightning", f" {FROM_CLONE.format('lightning')}"),
+]
+
+
+@pytest.mark.parametrize("script, args, hidden, install", MISSING,
+                         ids=[m[0].removesuffix(".py") for m in MISSING])
+def test_missing_package_named_up_front(tmp_path, script, args, hidden, install):
+    """An example whose package is missing (an import of it fails here) says so once,
+    naming what installs it, before any rank starts work: no ImportError traceback on
+    every rank, no abort."""
+    (tmp_path / hidden).mkdir()
+    (tmp_path / hidden / "__init__.py").write_text('raise ImportError("hidden by the test")')
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    if script == "lightning_manual.py":  # Lightning starts its ranks itself
+        proc = _run([sys.executable, str(EXAMPLES / script), *args], env)
+    else:
+        proc = _torchrun(script, *args, count_blocks=False, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    why = f"examples/{script}" + (" --method upgrad" if args[:1] == ["--method"] else "")
+    message = f"error: {why} needs {hidden}, which is not installed. Install it{install}\n"
+    assert out.count(message) == 1, out[-4000:]
+    assert "hidden by the test" not in out and "SIGABRT" not in out, out[-4000:]
+    assert "agreement" not in proc.stdout
 
 
 @pytest.mark.parametrize(
