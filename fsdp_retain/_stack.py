@@ -20,8 +20,8 @@ _FSDP_ARGS = ('TrainingArguments(fsdp=True, fsdp_config={"version": 2, '
               '"transformer_layer_cls_to_wrap": [<decoder layer class>]})')
 _CPU_NOTE = ("It selects FSDP only on accelerator backends and otherwise falls back "
              "to independent processes or DDP (also with use_cpu / ACCELERATE_USE_CPU=1); on "
-             "CPU, examples/accelerate_cpu_fsdp.py in fsdp-retain's repository sets up "
-             "accelerate's own FSDP on gloo. ")
+             "CPU, {shim} from examples/accelerate_cpu_fsdp.py in fsdp-retain's repository sets "
+             "up accelerate's own FSDP on gloo. ")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,9 @@ class _Accelerate:
         how = (_FSDP_ARGS if self.trainer else
                "accelerate launch --config_file <a config with distributed_type: FSDP>, or "
                "Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(...))")
-        note = _CPU_NOTE if self.device.startswith("cpu") else ""
+        shim = ("cpu_state_as_accelerator() (docs/integrations/hf_trainer.md)" if self.trainer
+                else "the launcher")
+        note = _CPU_NOTE.format(shim=shim) if self.device.startswith("cpu") else ""
         return (f"{_capital(self.setup())}, not FSDP. {note}Set up FSDP: {how}; then "
                 f"pass {self.prepared()}.")
 

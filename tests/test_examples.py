@@ -24,6 +24,12 @@ all-gathers, so agreement alone would not show that the block did anything).
 - accelerate/train.py launched without the shim (accelerate falls back to
   independent processes) and with ``ACCELERATE_USE_CPU=1`` (DDP): it refuses; with
   ``accelerate launch --cpu --num_processes 2`` (one process): it says so.
+- hf_trainer.py (a transformers ``Trainer`` subclass, tiny Qwen2), FSDP2 and FSDP1
+  from the Trainer's own fsdp arguments (through ``examples/accelerate_cpu_fsdp.py``),
+  gradient accumulation 2: parity with a one-process replay over 3 steps; one
+  all-gather per unit per micro-batch. Without the block FSDP1 fails; on the Trainer's
+  DDP fallback (``use_cpu=True``) the block refuses naming the Trainer's FSDP arguments,
+  and without it the parameters end away from the replay.
 - influence_trace.py at tiny size, FSDP2 and FSDP1, ``--mode both`` (2
   micro-batches per step, the first without gradient sync, backward 1 a probe
   pass): gradient projections and final parameters agree between the two
@@ -165,6 +171,7 @@ def test_multi_objective(fsdp, method):
 FROM_CLONE = "from a clone of this repository: pip install '.[{}]'"
 MISSING = [  # script, its arguments, the package hidden, how the message says to install it
     ("multi_objective.py", ["--method", "upgrad"], "torchjd", f" {FROM_CLONE.format('mtl')}"),
+    ("hf_trainer.py", [], "transformers", f" {FROM_CLONE.format('examples')}"),
     ("influence_trace.py", ["--size", "tiny"], "transformers", f" {FROM_CLONE.format('examples')}"),
     ("influence_bergson.py", [], "bergson",
      ": pip install bergson==2.5.1 (docs/integrations/bergson.md)"),
@@ -248,6 +255,59 @@ def test_accelerate_train_says_one_process():
     assert ("accelerate launch --config_file examples/accelerate/fsdp2.yaml "
             "examples/accelerate_cpu_fsdp.py examples/accelerate/train.py") in out
     assert "agreement" not in proc.stdout
+
+
+@pytest.mark.parametrize("fsdp, wrapper, units", [
+    # FSDP2 (accelerate 1.15): the embedding, each decoder layer and [final norm, lm_head]
+    # are parameter groups, the root holds none; FSDP1: each decoder layer and the root.
+    (2, "FSDPQwen2ForCausalLM with 6 FSDP modules", 4),
+    (1, "FullyShardedDataParallel with 3 FSDP modules", 3),
+], ids=["fsdp2", "fsdp1"])
+def test_hf_trainer(fsdp, wrapper, units):
+    """hf_trainer.py --fsdp {2,1}: a transformers Trainer (tiny Qwen2, FSDP from its fsdp
+    arguments, on 2 CPU ranks through examples/accelerate_cpu_fsdp.py), training_step with
+    two backward passes, gradient accumulation 2, 3 steps: parity with a one-process replay."""
+    steps, accumulation = 3, 2
+    out = _check_ok(_torchrun("hf_trainer.py", "--fsdp", str(fsdp), "--steps", str(steps)))
+    assert (f"Trainer: FSDP (fsdp_version {fsdp}), 2 processes on cpu, "
+            f"gradient_accumulation_steps {accumulation}; model {wrapper}") in out, out
+    assert len(re.findall(r"^step \d: loss \S+, unsharded replay \S+$", out, re.M)) == steps
+    assert _number(r"PARITY max_diff=(\S+)", out) <= 1e-5
+    assert _number(r"largest update (\S+);", out) > 1e-3
+    # One all-gather per unit per micro-batch; the Trainer's no_sync micro-batch
+    # reduce-scatters nothing, the syncing one once per unit per backward (2 passes).
+    no_sync = {"passes": 2, "all_gather": units, "reduce_scatter": 0, "all_reduce": 0}
+    assert _blocks(out) == [no_sync, dict(no_sync, reduce_scatter=2 * units)] * steps
+
+
+def test_hf_trainer_plain_fsdp1_fails():
+    """hf_trainer.py --fsdp 1 --no-library: the second backward needs parameters the
+    first one freed."""
+    proc = _torchrun("hf_trainer.py", "--fsdp", "1", "--no-library", count_blocks=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "setStorage" in out and "out of bounds for storage of size 0" in out, out[-4000:]
+    assert "agreement" not in proc.stdout
+
+
+@pytest.mark.parametrize("library", [True, False], ids=["block", "plain"])
+def test_hf_trainer_ddp_fallback(library):
+    """hf_trainer.py --cpu-fallback (use_cpu=True: the Trainer falls back to DDP): the
+    block refuses, naming the Trainer's FSDP arguments; without it, DDP never
+    all-reduces the second backward and the parameters end away from the replay."""
+    args = ["--cpu-fallback"] + ([] if library else ["--no-library"])
+    proc = _torchrun("hf_trainer.py", *args, count_blocks=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    if library:
+        assert "got a DistributedDataParallel model" in out, out[-4000:]
+        assert "The Trainer's Accelerator set up MULTI_CPU with 2 processes" in out
+        assert "Set up FSDP: TrainingArguments(fsdp=True" in out
+        assert "agreement" not in proc.stdout
+    else:
+        assert "Trainer: MULTI_CPU, 2 processes on cpu" in proc.stdout, out[-4000:]
+        assert _number(r"PARITY max_diff=(\S+)", proc.stdout) > 1e-5
+        assert "agreement: FAILED" in proc.stdout
 
 
 @pytest.mark.parametrize("fsdp", [2, 1])
