@@ -7,13 +7,14 @@ The block refuses a model that is not an FSDP root; the fix depends on who built
   (``Accelerator()``) or DDP (``cpu=True``): the error says what accelerate set up and
   how to get FSDP (an FSDP config or plugin), not "wrap the model with fully_shard".
 - accelerate with FSDP1 (set up on CPU through ``examples/accelerate_cpu_fsdp.py``) and
-  ``accelerator.unwrap_model(model)`` passed: "pass what accelerator.prepare returned",
-  no Lightning advice.
+  ``accelerator.unwrap_model(model)`` or a module with no unit passed: "pass what
+  accelerator.prepare returned", no Lightning advice.
 - transformers' ``Trainer`` falling back to DDP (``use_cpu=True``): the Trainer's FSDP
   arguments; with FSDP1 and ``self.accelerator.unwrap_model(model)`` passed from
   ``training_step``: "the model your training_step receives".
-- Lightning's DDP over a LightningModule, and a LightningModule holding a sharded
-  ``self.net`` beside parameters of its own: the Lightning object to pass, no accelerate.
+- Lightning's DDP over a LightningModule, a LightningModule with no FSDP unit, and one
+  holding a sharded ``self.net`` beside parameters of its own: the Lightning strategy or
+  object to pass, no accelerate.
 - No stack: the generic advice, naming no stack.
 
 Every case resets accelerate's process-wide state and the environment it changed.
@@ -108,7 +109,8 @@ def accelerate_no_accelerator_names_the_fallback() -> None:
     with _accelerate_state():
         accelerator = Accelerator()
         message = _refusal(accelerator.prepare(Net()))
-    assert "not wrapped by FSDP. The Accelerator set up NO with 1 process on cpu, not FSDP." in message
+    assert ("not wrapped by FSDP. The Accelerator set up NO with 1 process on cpu, "
+            "not FSDP.") in message
     assert "It selects FSDP only on accelerator backends" in message
     assert "examples/accelerate_cpu_fsdp.py" in message
     assert "accelerate launch --config_file <a config with distributed_type: FSDP>" in message
@@ -136,7 +138,7 @@ def accelerate_use_cpu_ddp_names_the_fallback() -> None:
 @registry.case()
 def accelerate_fsdp1_unwrapped_names_prepare() -> None:
     """accelerate FSDP1 (CPU shim), accelerator.unwrap_model(model) passed: the module
-    inside the root wrapper; the prepared model works."""
+    inside the root wrapper; a module with no unit; the prepared model works."""
     from accelerate import Accelerator
 
     with _accelerate_state():
@@ -144,6 +146,7 @@ def accelerate_fsdp1_unwrapped_names_prepare() -> None:
         accelerator = Accelerator(fsdp_plugin=_fsdp1_plugin())
         model = accelerator.prepare(Net())
         message = _refusal(accelerator.unwrap_model(model))
+        plain = _refusal(Net())  # e.g. the model before prepare, with no unit inside
         with no_reshard_between_backwards(model):
             out = model(torch.randn(4, 8))
             out.pow(2).mean().backward(retain_graph=True)
@@ -152,6 +155,9 @@ def accelerate_fsdp1_unwrapped_names_prepare() -> None:
     assert ("Pass what accelerator.prepare returned, not accelerator.unwrap_model(model) "
             "nor the model before prepare: that is the FSDP root.") in message, message
     assert "Lightning" not in message and "Trainer" not in message, message
+    ws = dist.get_world_size()
+    assert (f"not wrapped by FSDP. The Accelerator set up FSDP with {ws} processes on cpu; "
+            "pass what accelerator.prepare returned") in plain, plain
 
 
 class _Refusing:
@@ -231,11 +237,15 @@ def _lightning_module(net: nn.Module):
 
 @registry.case()
 def lightning_ddp_names_fsdp_strategies() -> None:
-    """What Lightning's DDPStrategy hands over: DDP around the LightningModule."""
+    """What Lightning's DDPStrategy hands over: DDP around the LightningModule; and a
+    LightningModule with no FSDP unit in it."""
     message = _refusal(nn.parallel.DistributedDataParallel(_lightning_module(Net())))
     assert "Lightning's DDPStrategy wrapped it: use FSDPStrategy (FSDP1) or " in message
     assert "pass self.trainer.strategy.model (Lightning's Trainer)" in message, message
-    assert "accelerat" not in message
+    plain = _refusal(_lightning_module(Net()))
+    assert ("not wrapped by FSDP. Under Lightning's FSDPStrategy or ModelParallelStrategy "
+            "pass self.trainer.strategy.model") in plain, plain
+    assert "accelerat" not in message + plain
 
 
 @registry.case()
