@@ -39,11 +39,16 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from bergson import GradientProcessor
-from bergson.collector.gradient_collectors import StreamingGradientCollector
+from _deps import require  # checking, not the point
+
+require("bergson", why="examples/influence_bergson.py",
+        pip="bergson==2.5.1 (docs/integrations/bergson.md)")
+
+from bergson import GradientProcessor  # noqa: E402
+from bergson.collector.gradient_collectors import StreamingGradientCollector  # noqa: E402
 
 # New code #
-from fsdp_retain import no_reshard_between_backwards
+from fsdp_retain import no_reshard_between_backwards  # noqa: E402
 
 
 # New code #

@@ -371,6 +371,9 @@ def check_agreement(models, initial, proj_diff, dtype, steps, device) -> bool:
 
 def main() -> None:
     args = parse_args()
+    from _deps import require  # checking, not the point
+
+    require("transformers", why="examples/influence_trace.py", extra="examples")
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype_name = args.dtype

@@ -25,15 +25,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
-from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from _deps import require  # checking, not the point
 
-from fsdp_retain import no_reshard_between_backwards
+require("lightning", why="examples/lightning_manual.py", extra="lightning")
+
+import lightning as L  # noqa: E402
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy  # noqa: E402
+from lightning.fabric.strategies import (  # noqa: E402
+    ModelParallelStrategy as FabricModelParallelStrategy,
+)
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
+
+from fsdp_retain import no_reshard_between_backwards  # noqa: E402
 
 STEPS, BATCH, DIM, WORLD = 3, 4, 16, 2
 USE_LIBRARY = True  # --no-library: the same code without the block (FSDP1 fails)

@@ -181,6 +181,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=None, help="per rank; default: 32 CPU, 4096 GPU")
     args = parser.parse_args()
+    if args.method == "upgrad":  # before any rank starts work
+        from _deps import require
+
+        require("torchjd", "qpsolvers", "quadprog", extra="mtl",
+                why="examples/multi_objective.py --method upgrad")
 
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

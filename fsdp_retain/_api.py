@@ -13,6 +13,7 @@ from ._common import ACTIVE_ATTR, first_wrapped_submodule
 from ._lifecycle import BlockBase
 from ._loss_grads import LossGrads
 from ._policy import RetainOptions
+from ._stack import ddp_fix, not_wrapped_fix, wrapper_fix
 
 SyncGrads = Literal["every", "last"]
 
@@ -112,8 +113,7 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
             "no_reshard_between_backwards got a DistributedDataParallel model. DDP "
             "all-reduces gradients only in the first backward after a forward; later "
             "backward passes over a retained graph are never all-reduced, so gradients "
-            "would be silently wrong (pytorch/pytorch#47260). Wrap the model with "
-            "fully_shard(...) or FullyShardedDataParallel(...) instead."
+            f"would be silently wrong (pytorch/pytorch#47260). {ddp_fix(model)}"
         )
     flavour = fsdp_flavour(model)
     if flavour is None:
@@ -124,9 +124,7 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
     if flavour is None:
         raise ValueError(
             f"no_reshard_between_backwards got a {type(model).__name__} that is not "
-            "wrapped by FSDP: wrap it with fully_shard(...) or "
-            "FullyShardedDataParallel(...) and pass the root module (with DeepSpeed "
-            "ZeRO-3, pass the engine deepspeed.initialize returns)."
+            f"wrapped by FSDP. {not_wrapped_fix(model)}"
         )
     _check_not_active(model)
     if flavour == "fsdp2":
@@ -156,10 +154,8 @@ def _root_inside_wrapper(model: nn.Module, inner: str) -> nn.Module:
            else f"parameters outside it ({', '.join(outside[:3])})")
     raise ValueError(
         f"no_reshard_between_backwards got a {type(model).__name__} that is not "
-        f"FSDP-wrapped itself but contains FSDP unit {inner!r} and {why}. Wrap the root "
-        "too (fully_shard(model) or FullyShardedDataParallel(model)) and pass it; in "
-        "Lightning pass self.trainer.strategy.model (Trainer) or the module fabric.setup "
-        "returned (Fabric)."
+        f"FSDP-wrapped itself but contains FSDP unit {inner!r} and {why}. "
+        f"{wrapper_fix(model)}"
     )
 
 

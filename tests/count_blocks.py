@@ -4,7 +4,7 @@ Usage (what tests/test_examples.py runs)::
 
     torchrun --nproc_per_node 2 tests/count_blocks.py examples/quickstart.py [args]
     accelerate launch --config_file examples/accelerate/fsdp2.yaml \\
-        tests/accelerate_cpu_fsdp.py tests/count_blocks.py examples/accelerate/train.py
+        examples/accelerate_cpu_fsdp.py tests/count_blocks.py examples/accelerate/train.py
 
 Before the example imports it, ``fsdp_retain.no_reshard_between_backwards`` is
 replaced by a wrapper that counts the collectives issued from entering to

@@ -3,12 +3,12 @@
 ``zero3.yaml`` and the report's ``deepspeed`` rows.
 
 Skipped when deepspeed is not installed (it is an optional extra:
-``pip install fsdp-retain[deepspeed]``); CI runs it in its own venv.
+``DS_BUILD_OPS=0 pip install '.[deepspeed]'`` from a clone); CI runs it in its own venv.
 """
 
 import pytest
 
-pytest.importorskip("deepspeed", reason="deepspeed not installed (pip install fsdp-retain[deepspeed])")
+pytest.importorskip("deepspeed", reason="deepspeed not installed (the deepspeed extra)")
 pytest.importorskip("transformers", reason="the DeepSpeed cases use a tiny transformers Qwen2")
 
 from tests.harness import case_tests  # noqa: E402

@@ -15,14 +15,21 @@ all-gathers, so agreement alone would not show that the block did anything).
   3 tasks with ``block.grads`` and one forward matches a forward per task; one reduce-scatter per unit per task and
   one all-reduce (the Gramian) per step.
 - accelerate/train.py with fsdp2.yaml and fsdp1.yaml, through
-  ``tests/accelerate_cpu_fsdp.py`` (accelerate's FSDP setup on CPU; see its
+  ``examples/accelerate_cpu_fsdp.py`` (accelerate's FSDP setup on CPU; see its
   docstring): accelerate really wrapped the model (FSDP version, device, wrapper
   class and unit count printed by the script) and training with gradient
   accumulation 2 matches an unsharded single-process replay, which divides each
   loss by the accumulation steps itself; micro-batches inside
   ``accelerator.accumulate`` that do not sync reduce-scatter nothing.
 - accelerate/train.py launched without the shim (accelerate falls back to
-  independent processes) and with ``ACCELERATE_USE_CPU=1`` (DDP): it refuses.
+  independent processes) and with ``ACCELERATE_USE_CPU=1`` (DDP): it refuses; with
+  ``accelerate launch --cpu --num_processes 2`` (one process): it says so.
+- hf_trainer.py (a transformers ``Trainer`` subclass, tiny Qwen2), FSDP2 and FSDP1
+  from the Trainer's own fsdp arguments (through ``examples/accelerate_cpu_fsdp.py``),
+  gradient accumulation 2: parity with a one-process replay over 3 steps; one
+  all-gather per unit per micro-batch. Without the block FSDP1 fails; on the Trainer's
+  DDP fallback (``use_cpu=True``) the block refuses naming the Trainer's FSDP arguments,
+  and without it the parameters end away from the replay.
 - influence_trace.py at tiny size, FSDP2 and FSDP1, ``--mode both`` (2
   micro-batches per step, the first without gradient sync, backward 1 a probe
   pass): gradient projections and final parameters agree between the two
@@ -42,6 +49,8 @@ all-gathers, so agreement alone would not show that the block did anything).
   ``--head-norms`` (``block.grads`` per head) each head's gradient norm matches the
   reference's; without the block FSDP2 re-gathers and reduces the trunk in every head's
   backward, and FSDP1 fails in the second.
+- An example whose package is missing (an ImportError shim on ``PYTHONPATH``) says
+  so once, naming what installs it, before any rank starts work.
 - The influence example's ``GradientProjector`` against per-sequence gradients
   computed one sequence at a time (in this process, no FSDP).
 """
@@ -63,7 +72,7 @@ from tests.harness import ROOT, run_retrying_exit_abort, timeout_scale
 
 EXAMPLES = ROOT / "examples"
 COUNT_BLOCKS = str(ROOT / "tests" / "count_blocks.py")
-CPU_FSDP = str(ROOT / "tests" / "accelerate_cpu_fsdp.py")
+CPU_FSDP = str(ROOT / "examples" / "accelerate_cpu_fsdp.py")
 TIMEOUT = 300 * timeout_scale()
 
 
@@ -85,11 +94,12 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
     return run_retrying_exit_abort(args, cwd=ROOT, env=full_env, timeout=TIMEOUT)
 
 
-def _torchrun(script: str, *script_args: str, count_blocks: bool = True):
+def _torchrun(script: str, *script_args: str, count_blocks: bool = True,
+              env: dict[str, str] | None = None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
     cmd += [COUNT_BLOCKS] if count_blocks else []
-    return _run(cmd + [str(EXAMPLES / script), *script_args])
+    return _run(cmd + [str(EXAMPLES / script), *script_args], env)
 
 
 def _accelerate(config: str, *script: str, env: dict[str, str] | None = None):
@@ -166,6 +176,39 @@ def test_multi_objective(fsdp, method, shared):
     assert _blocks(out) == [expected] * steps
 
 
+FROM_CLONE = "from a clone of this repository: pip install '.[{}]'"
+MISSING = [  # script, its arguments, the package hidden, how the message says to install it
+    ("multi_objective.py", ["--method", "upgrad"], "torchjd", f" {FROM_CLONE.format('mtl')}"),
+    ("hf_trainer.py", [], "transformers", f" {FROM_CLONE.format('examples')}"),
+    ("influence_trace.py", ["--size", "tiny"], "transformers", f" {FROM_CLONE.format('examples')}"),
+    ("influence_bergson.py", [], "bergson",
+     ": pip install bergson==2.5.1 (docs/integrations/bergson.md)"),
+    ("lightning_manual.py", [], "lightning", f" {FROM_CLONE.format('lightning')}"),
+]
+
+
+@pytest.mark.parametrize("script, args, hidden, install", MISSING,
+                         ids=[m[0].removesuffix(".py") for m in MISSING])
+def test_missing_package_named_up_front(tmp_path, script, args, hidden, install):
+    """An example whose package is missing (an import of it fails here) says so once,
+    naming what installs it, before any rank starts work: no ImportError traceback on
+    every rank, no abort."""
+    (tmp_path / hidden).mkdir()
+    (tmp_path / hidden / "__init__.py").write_text('raise ImportError("hidden by the test")')
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    if script == "lightning_manual.py":  # Lightning starts its ranks itself
+        proc = _run([sys.executable, str(EXAMPLES / script), *args], env)
+    else:
+        proc = _torchrun(script, *args, count_blocks=False, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    why = f"examples/{script}" + (" --method upgrad" if args[:1] == ["--method"] else "")
+    message = f"error: {why} needs {hidden}, which is not installed. Install it{install}\n"
+    assert out.count(message) == 1, out[-4000:]
+    assert "hidden by the test" not in out and "SIGABRT" not in out, out[-4000:]
+    assert "agreement" not in proc.stdout
+
+
 @pytest.mark.parametrize(
     "config, version, wrapper",
     [("fsdp2.yaml", 2, "FSDPNet"), ("fsdp1.yaml", 1, "FullyShardedDataParallel")],
@@ -206,8 +249,73 @@ def test_accelerate_train_refuses_fallback(env, fallback):
     # Said once (by rank 0), with the CPU command that works.
     assert out.count("error: accelerate set up") == 1, out[-4000:]
     assert ("accelerate launch --config_file examples/accelerate/fsdp2.yaml "
-            "tests/accelerate_cpu_fsdp.py examples/accelerate/train.py") in out
+            "examples/accelerate_cpu_fsdp.py examples/accelerate/train.py") in out
     assert "agreement" not in proc.stdout
+
+
+def test_accelerate_train_says_one_process():
+    """accelerate launch --cpu --num_processes 2 starts one process: the example says so."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
+    proc = _run(cmd + [str(EXAMPLES / "accelerate" / "train.py")])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "error: accelerate launch started 1 process: with --cpu" in out, out[-4000:]
+    assert ("accelerate launch --config_file examples/accelerate/fsdp2.yaml "
+            "examples/accelerate_cpu_fsdp.py examples/accelerate/train.py") in out
+    assert "agreement" not in proc.stdout
+
+
+@pytest.mark.parametrize("fsdp, wrapper, units", [
+    # FSDP2 (accelerate 1.15): the embedding, each decoder layer and [final norm, lm_head]
+    # are parameter groups, the root holds none; FSDP1: each decoder layer and the root.
+    (2, "FSDPQwen2ForCausalLM with 6 FSDP modules", 4),
+    (1, "FullyShardedDataParallel with 3 FSDP modules", 3),
+], ids=["fsdp2", "fsdp1"])
+def test_hf_trainer(fsdp, wrapper, units):
+    """hf_trainer.py --fsdp {2,1}: a transformers Trainer (tiny Qwen2, FSDP from its fsdp
+    arguments, on 2 CPU ranks through examples/accelerate_cpu_fsdp.py), training_step with
+    two backward passes, gradient accumulation 2, 3 steps: parity with a one-process replay."""
+    steps, accumulation = 3, 2
+    out = _check_ok(_torchrun("hf_trainer.py", "--fsdp", str(fsdp), "--steps", str(steps)))
+    assert (f"Trainer: FSDP (fsdp_version {fsdp}), 2 processes on cpu, "
+            f"gradient_accumulation_steps {accumulation}; model {wrapper}") in out, out
+    assert len(re.findall(r"^step \d: loss \S+, unsharded replay \S+$", out, re.M)) == steps
+    assert _number(r"PARITY max_diff=(\S+)", out) <= 1e-5
+    assert _number(r"largest update (\S+);", out) > 1e-3
+    # One all-gather per unit per micro-batch; the Trainer's no_sync micro-batch
+    # reduce-scatters nothing, the syncing one once per unit per backward (2 passes).
+    no_sync = {"passes": 2, "all_gather": units, "reduce_scatter": 0, "all_reduce": 0}
+    assert _blocks(out) == [no_sync, dict(no_sync, reduce_scatter=2 * units)] * steps
+
+
+def test_hf_trainer_plain_fsdp1_fails():
+    """hf_trainer.py --fsdp 1 --no-library: the second backward needs parameters the
+    first one freed."""
+    proc = _torchrun("hf_trainer.py", "--fsdp", "1", "--no-library", count_blocks=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "setStorage" in out and "out of bounds for storage of size 0" in out, out[-4000:]
+    assert "agreement" not in proc.stdout
+
+
+@pytest.mark.parametrize("library", [True, False], ids=["block", "plain"])
+def test_hf_trainer_ddp_fallback(library):
+    """hf_trainer.py --cpu-fallback (use_cpu=True: the Trainer falls back to DDP): the
+    block refuses, naming the Trainer's FSDP arguments; without it, DDP never
+    all-reduces the second backward and the parameters end away from the replay."""
+    args = ["--cpu-fallback"] + ([] if library else ["--no-library"])
+    proc = _torchrun("hf_trainer.py", *args, count_blocks=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    if library:
+        assert "got a DistributedDataParallel model" in out, out[-4000:]
+        assert "The Trainer's Accelerator set up MULTI_CPU with 2 processes" in out
+        assert "Set up FSDP: TrainingArguments(fsdp=True" in out
+        assert "agreement" not in proc.stdout
+    else:
+        assert "Trainer: MULTI_CPU, 2 processes on cpu" in proc.stdout, out[-4000:]
+        assert _number(r"PARITY max_diff=(\S+)", proc.stdout) > 1e-5
+        assert "agreement: FAILED" in proc.stdout
 
 
 @pytest.mark.parametrize("fsdp", [2, 1])
@@ -379,7 +487,7 @@ LIGHTNING = [("trainer", 1, "lightning"), ("trainer", 1, "user"), ("trainer", 2,
 
 
 def _lightning(api: str, fsdp: int, wrap: str, *extra: str) -> subprocess.CompletedProcess:
-    pytest.importorskip("lightning", reason="pip install fsdp-retain[lightning]")
+    pytest.importorskip("lightning", reason="the lightning extra: pip install '.[lightning]'")
     args = ["--api", api, "--fsdp", str(fsdp), "--wrap", wrap, *extra]
     # Lightning starts the second rank itself; its port from the environment.
     return _run([sys.executable, str(EXAMPLES / "lightning_manual.py"), *args],

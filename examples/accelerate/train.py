@@ -6,9 +6,10 @@ Run on GPUs (set num_processes in the config to your GPU count):
     accelerate launch --config_file examples/accelerate/fsdp1.yaml examples/accelerate/train.py
     accelerate launch --config_file examples/accelerate/zero3.yaml examples/accelerate/train.py
 
-Run on CPU (2 ranks, gloo), from a clone, through the test launcher shim:
+Run on CPU (2 ranks, gloo), from a clone, through the launcher shim that lets
+accelerate's own FSDP setup run on gloo (examples/accelerate_cpu_fsdp.py):
 
-    accelerate launch --config_file examples/accelerate/fsdp2.yaml tests/accelerate_cpu_fsdp.py examples/accelerate/train.py
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate_cpu_fsdp.py examples/accelerate/train.py
 
 Under DeepSpeed (zero3.yaml) the prepared model is the ``DeepSpeedEngine`` and
 ``accelerator.backward`` runs ``engine.step()`` after every call, which must
@@ -31,7 +32,8 @@ accelerate sets up FSDP and DeepSpeed only on accelerator backends (GPU, XPU, ..
 any other way (no GPU, `use_cpu: true`, `ACCELERATE_USE_CPU=1`, plain `python`)
 it silently falls back to independent processes or to DDP, and under DDP a
 second backward over one forward is never all-reduced: silently wrong
-gradients. This script stops with an error instead.
+gradients. `accelerate launch --cpu --num_processes 2` starts one process
+only. This script stops with an error instead, naming the command that works.
 """
 
 import argparse
@@ -43,13 +45,22 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.utils import DistributedType
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _deps import require  # noqa: E402  (checking, not the point)
+
+require("accelerate", why="examples/accelerate/train.py", extra="examples")
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DistributedType  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    StateDictOptions,
+    get_model_state_dict,
+)
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 # New code #
-from fsdp_retain import no_reshard_between_backwards
+from fsdp_retain import no_reshard_between_backwards  # noqa: E402
 
 
 class Block(nn.Module):  # the unit named by fsdp_transformer_layer_cls_to_wrap
@@ -83,31 +94,43 @@ def aux_loss(out: torch.Tensor) -> torch.Tensor:
     return 0.1 * out.pow(2).mean()
 
 
+COMMANDS = (
+    "  On GPUs: accelerate launch --config_file examples/accelerate/fsdp2.yaml "
+    "examples/accelerate/train.py\n"
+    "  On CPU (a shim from this repository that lets accelerate's own FSDP setup run on "
+    "gloo): accelerate launch --config_file examples/accelerate/fsdp2.yaml "
+    "examples/accelerate_cpu_fsdp.py examples/accelerate/train.py"
+)
+
+
 # New code #
 def require_fsdp(accelerator: Accelerator) -> None:
     """Stops unless accelerate really set up FSDP or DeepSpeed (see the module docstring)."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED) or (
-        accelerator.num_processes != launched  # DeepSpeed on CPU: each rank alone
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED) and (
+        accelerator.num_processes == launched  # DeepSpeed on CPU: each rank alone
     ):
-        if os.environ.get("RANK", "0") != "0":
-            time.sleep(5)  # rank 0 says why, once; the launcher then stops this rank
-            sys.exit(1)
-        sys.exit(
-            f"error: accelerate set up {accelerator.distributed_type.value} with "
-            f"{accelerator.num_processes} process(es) on {accelerator.device}, not FSDP "
-            "(or DeepSpeed). accelerate selects FSDP only on accelerator backends (and "
-            "DeepSpeed without one leaves each rank a 1-process accelerator); without one "
-            "(or with use_cpu / ACCELERATE_USE_CPU=1) it falls back to independent "
-            "processes or DDP, and under DDP a second backward over one forward silently "
-            "skips the gradient all-reduce.\n"
-            "  On GPUs: accelerate launch --config_file examples/accelerate/fsdp2.yaml "
-            "examples/accelerate/train.py\n"
-            "  On CPU (a shim from this repository's tests that lets accelerate's own FSDP "
-            "setup run on gloo): accelerate launch --config_file "
-            "examples/accelerate/fsdp2.yaml tests/accelerate_cpu_fsdp.py "
-            "examples/accelerate/train.py"
-        )
+        return
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(5)  # rank 0 says why, once; the launcher then stops this rank
+        sys.exit(1)
+    if "WORLD_SIZE" not in os.environ:  # no distributed launcher started this process
+        how = ("accelerate launch started 1 process: with --cpu (or use_cpu, or a config "
+               "whose distributed_type is not FSDP, DEEPSPEED or MULTI_GPU) it runs the "
+               "script once, whatever --num_processes says"
+               if "ACCELERATE_MIXED_PRECISION" in os.environ  # set by every accelerate launch
+               else "started as 1 process, not by accelerate launch")
+        sys.exit(f"error: {how}; this example needs 2 or more FSDP (or DeepSpeed) "
+                 f"processes.\n{COMMANDS}")
+    sys.exit(
+        f"error: accelerate set up {accelerator.distributed_type.value} with "
+        f"{accelerator.num_processes} process(es) on {accelerator.device}, not FSDP "
+        "(or DeepSpeed). accelerate selects FSDP only on accelerator backends (and "
+        "DeepSpeed without one leaves each rank a 1-process accelerator); without one "
+        "(or with use_cpu / ACCELERATE_USE_CPU=1) it falls back to independent "
+        "processes or DDP, and under DDP a second backward over one forward silently "
+        f"skips the gradient all-reduce.\n{COMMANDS}"
+    )
 
 
 def describe(accelerator: Accelerator, model: nn.Module) -> str:

@@ -30,9 +30,9 @@ def _importable(name: str) -> bool:
 
 
 def install_hint(extra: str) -> str:
+    """How to install ``extra``: the package is on no package index, so from a clone."""
     prefix = "DS_BUILD_OPS=0 " if extra == "deepspeed" else ""
-    return (f"{prefix}pip install 'fsdp-retain[{extra}]' (from a clone: "
-            f"{prefix}pip install -e '.[{extra}]')")
+    return f"from a clone of this repository: {prefix}pip install '.[{extra}]'"
 
 
 def check_dependencies(backends: Iterable[str] = ()) -> list[str]:

@@ -1,0 +1,225 @@
+"""Two losses, one forward, in a `transformers.Trainer` under FSDP2 or FSDP1.
+
+Run (2 processes; CPU with gloo, or one GPU per process):
+
+    torchrun --nproc_per_node 2 examples/hf_trainer.py                  # FSDP2
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --fsdp 1         # FSDP1
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --fsdp 1 --no-library   # fails
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --cpu-fallback   # CPU: DDP, refused
+
+A `Trainer` subclass whose `training_step` runs one forward of a tiny Qwen2 (built in
+code, no download) and backpropagates two losses, the language-model loss and a z-loss
+on the logits, one after the other (`self.accelerator.backward(loss, retain_graph=True)`,
+then the second). FSDP comes from the Trainer's own arguments
+(`TrainingArguments(fsdp=..., fsdp_config={"version": 2, ...})`, accelerate's FSDP
+plugin); what fsdp_retain adds is marked `# New code #`. Guide:
+docs/integrations/hf_trainer.md.
+
+Gradient accumulation: the Trainer tells accelerate to accumulate 1 step and divides the
+loss by `self.current_gradient_accumulation_steps` in its own `training_step`; an
+override must divide each loss itself.
+
+At the end the script replays the same global batches on an unsharded copy of the model
+in each process (a plain PyTorch loop: one summed loss divided by the accumulation
+steps, one SGD-momentum step per window), prints `PARITY max_diff=...` and exits 1
+unless every parameter agrees.
+
+On a CPU-only machine accelerate never selects FSDP: the Trainer falls back to
+independent processes (or to DDP with `use_cpu=True`, where a second backward is never
+all-reduced). This script then lets accelerate's own FSDP setup run on gloo through
+`examples/accelerate_cpu_fsdp.py` (the `cpu_state_as_accelerator()` call below); leave
+that out on GPUs. `--cpu-fallback` shows the fallback instead: DDP, which the block
+refuses with an error that names the Trainer's FSDP arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+from _deps import require  # checking, not the point
+
+require("transformers", "accelerate", extra="examples", why="examples/hf_trainer.py")
+
+from accelerate.utils import DistributedType  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    StateDictOptions,
+    get_model_state_dict,
+)
+from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+# New code #
+from fsdp_retain import no_reshard_between_backwards  # noqa: E402
+
+VOCAB, SEQ = 64, 16
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """PaLM's auxiliary loss: keeps the softmax normalizer near 1."""
+    return 1e-2 * torch.logsumexp(logits, dim=-1).pow(2).mean()
+
+
+class TwoLossTrainer(Trainer):
+    def __init__(self, *args, library: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.library = library
+        self.seen: list[tuple[torch.Tensor, float, bool]] = []  # for the check at the end
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        # The Trainer's own training_step divides by this; an override must too.
+        steps = self.current_gradient_accumulation_steps
+        # New code #
+        # `model` is what accelerator.prepare returned (the FSDP root), not self.model
+        # before wrapping nor accelerator.unwrap_model(model).
+        block = no_reshard_between_backwards(model) if self.library else contextlib.nullcontext()
+        with block:
+            logits = model(input_ids=inputs["input_ids"]).logits
+            task, aux = lm_loss(logits, inputs["labels"]), z_loss(logits)
+            self.accelerator.backward(task / steps, retain_graph=True)
+            self.accelerator.backward(aux / steps)
+        loss = (task + aux).detach()
+        self.seen.append((self.accelerator.gather(inputs["input_ids"]),
+                          self.accelerator.reduce(loss, "mean").item(),
+                          self.accelerator.sync_gradients))
+        return loss / steps
+
+
+class Sequences(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.ids = torch.randint(VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        tie_word_embeddings=False, attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config)
+
+
+def fsdp_arguments(version: int) -> dict:
+    config = {"version": version, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}
+    if version == 1:
+        config |= {"use_orig_params": True, "sync_module_states": False}
+    return {"fsdp": True, "fsdp_config": config}
+
+
+def replay_unsharded(model, seen, lr: float, accumulation: int) -> list[float]:
+    """The same training in one process without FSDP, the reference for the check: the
+    global micro-batches, one SGD-momentum step per window. Returns their losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for ids, _, sync in seen:
+        logits = model(input_ids=ids).logits
+        loss = lm_loss(logits, ids) + z_loss(logits)
+        (loss / accumulation).backward()
+        losses.append(loss.item())
+        if sync:
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses
+
+
+def describe(trainer: Trainer, model) -> str:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    acc = trainer.accelerator
+    units = sum(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+    kind = acc.distributed_type.value
+    if acc.distributed_type == DistributedType.FSDP:
+        kind += f" (fsdp_version {acc.state.fsdp_plugin.fsdp_version})"
+    return (f"Trainer: {kind}, {acc.num_processes} processes on {acc.device.type}, "
+            f"gradient_accumulation_steps {trainer.args.gradient_accumulation_steps}; "
+            f"model {type(model).__name__} with {units} FSDP modules")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fsdp", type=int, choices=(1, 2), default=2)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
+    parser.add_argument("--batch", type=int, default=4, help="per process")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--no-library", action="store_true",
+                        help="the same step without the block")
+    parser.add_argument("--cpu-fallback", action="store_true",
+                        help="on CPU, no shim: use_cpu=True, the Trainer falls back to DDP")
+    args = parser.parse_args()
+
+    on_cpu = {}
+    if not torch.cuda.is_available():
+        if args.cpu_fallback:
+            on_cpu = {"use_cpu": True}
+        else:  # CPU only: accelerate's FSDP setup on gloo, kept by the Trainer
+            from accelerate_cpu_fsdp import cpu_state_as_accelerator
+
+            cpu_state_as_accelerator()
+            on_cpu = {"accelerator_config": {"use_configured_state": True}}
+    model = tiny_qwen2()
+    reference = copy.deepcopy(model)  # for the check at the end
+    initial = copy.deepcopy(model.state_dict())
+    accumulation = args.gradient_accumulation_steps
+    samples = args.steps * accumulation * args.batch * int(os.environ.get("WORLD_SIZE", "1"))
+    with tempfile.TemporaryDirectory() as output_dir:
+        training = TrainingArguments(
+            output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
+            gradient_accumulation_steps=accumulation, learning_rate=args.lr,
+            lr_scheduler_type="constant", optim="sgd", optim_args="momentum=0.9",
+            max_grad_norm=0.0, report_to="none", save_strategy="no", logging_strategy="no",
+            disable_tqdm=True, dataloader_pin_memory=False, seed=42,
+            **fsdp_arguments(args.fsdp), **on_cpu,
+        )
+        trainer = TwoLossTrainer(model=model, args=training, train_dataset=Sequences(samples),
+                                 library=not args.no_library)
+        trainer.train()
+    wrapped = trainer.model_wrapped
+    trainer.accelerator.print(describe(trainer, wrapped))
+
+    reference.to(training.device)
+    reference_losses = replay_unsharded(reference, trainer.seen, args.lr, accumulation)
+    losses = [loss for _, loss, _ in trainer.seen]
+    for step in range(args.steps):
+        window = slice(step * accumulation, (step + 1) * accumulation)
+        trainer.accelerator.print(
+            f"step {step + 1}: loss {sum(losses[window]) / accumulation:.6f}, unsharded "
+            f"replay {sum(reference_losses[window]) / accumulation:.6f}")
+    trained = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
+    expected = reference.state_dict()
+    max_diff = max((trained[k].to(v.device) - v).abs().max().item() for k, v in expected.items())
+    update = max((v - initial[k].to(v.device)).abs().max().item() for k, v in expected.items())
+    loss_diff = max(abs(a - b) for a, b in zip(losses, reference_losses))
+    trainer.accelerator.print(
+        f"PARITY max_diff={max_diff:.3g} (every parameter after {args.steps} optimizer steps "
+        f"against an unsharded one-process replay, largest update {update:.3g}; losses: "
+        f"{loss_diff:.3g})")
+    ok = max_diff <= 1e-5 and loss_diff <= 1e-5
+    trainer.accelerator.print("agreement: OK" if ok else "agreement: FAILED")
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
+    if not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
