@@ -3,7 +3,8 @@
 Private FSDP1 access lives here and in the modules beside it: ``_fsdp1_compat``
 (the FSDP1 internals, checked at install), ``_fsdp1_units`` (one record per
 unit, filled by forward hooks), ``_fsdp1_grads`` (the gradients the block
-holds or puts back), ``_fsdp1_guards`` (invariant checks) and
+holds or puts back), ``_fsdp1_loss_grads`` (the gradients as ``block.grads``
+sees them), ``_fsdp1_guards`` (invariant checks) and
 ``_fsdp1_inspect`` (readers for tests and the report, never called by the
 block).
 
@@ -83,7 +84,8 @@ from ._common import (
     require_attr,
 )
 from ._fsdp1_compat import FLAVOUR, check_installable, internals
-from ._fsdp1_grads import FlatGradSlots, GradLedger, flat_layout
+from ._fsdp1_grads import GradLedger
+from ._fsdp1_loss_grads import FlatGradSlots, flat_layout
 from ._fsdp1_inputs import ParamIndex
 from ._fsdp1_mechanics import (
     open_inside_root_forward,
