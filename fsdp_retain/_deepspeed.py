@@ -251,19 +251,19 @@ class DeepSpeedBlock(BlockBase):
         # ("active_backward_submodules is empty"), after gradients were written.
         raise RetainError(_INPUTS_REFUSED)
 
-    def _grad_slots(self) -> GradSlots:
-        # See [Note: per-loss gradients] in _loss_grads.py and _deepspeed_grads.py.
+    # See [Note: per-loss gradients] in _loss_grads.py and _deepspeed_grads.py.
+    def _check_grads(self) -> None:
         if self.model.fp16_enabled():
             raise ValueError(
                 "block.grads() on DeepSpeed needs bf16 or fp32 training: with fp16, "
                 "ZeRO-3's loss scale would be missing from the gradients it returns. "
                 "Use \"bf16\": {\"enabled\": true} in the DeepSpeed config."
             )
+
+    def _make_grad_slots(self) -> GradSlots:
         opt = self._optimizer
         params = [p for group in opt.fp16_groups for p in group]
-        if self._slots is None:
-            self._slots = PartitionSlots(self, opt, params, self._partitions, opt.dp_process_group)
-        return self._slots
+        return PartitionSlots(self, opt, params, self._partitions, opt.dp_process_group)
 
     def _uninstall(self) -> None:
         self._alive.exited = True

@@ -356,9 +356,11 @@ class FSDP1Block(BlockBase):
             self._ledger.forget_sentinels()
 
     # Per-loss gradients: see [Note: per-loss gradients] in _loss_grads.py #
-    def _grad_slots(self) -> GradSlots:
+    def _check_grads(self) -> None:
         if not all(s for _, s in self._saved_sync):
             raise ValueError(_GRADS_NEED_SYNC)
+
+    def _make_grad_slots(self) -> GradSlots:
         handles = [u.handle for u in self._units]
         sharded = {h.uses_sharded_strategy for h in handles}
         groups = {h.process_group for h in handles}
@@ -367,10 +369,8 @@ class FSDP1Block(BlockBase):
                 "block.grads() needs every FSDP1 unit of one sharding strategy and "
                 "process group: not supported yet for mixed units."
             )
-        if self._slots is None:
-            self._slots = FlatGradSlots(handles, groups.pop(), sharded.pop(),
-                                        flat_layout(self.model, self._units))
-        return self._slots
+        return FlatGradSlots(handles, groups.pop(), sharded.pop(),
+                             flat_layout(self.model, self._units))
 
     # Passes with inputs=: see [Note: inputs that name parameters] in _inputs.py #
     def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:

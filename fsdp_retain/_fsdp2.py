@@ -266,19 +266,19 @@ class FSDP2Block(BlockBase):
         return ptrs
 
     # Per-loss gradients: see [Note: per-loss gradients] in _loss_grads.py #
-    def _grad_slots(self) -> GradSlots:
+    def _check_grads(self) -> None:
         if not all(saved["reduce_grads"] for _, saved in self._saved_groups):
             raise ValueError(_GRADS_NEED_SYNC)
-        if self._slots is None:
-            holders = [fp.sharded_param for g in self._groups for fp in g.fsdp_params]
-            groups = {shard_group(p) for p in holders}
-            # 1-D FSDP2 or HSDP: the shards of one group; with tensor parallelism (or
-            # parameters on different meshes) each counts once over all ranks.
-            one = len(groups) == 1 and None not in groups
-            self._slots = GradSlots(holders, groups.pop() if one else None, True,
-                                    fsdp2_layout(self.model, self._groups),
-                                    None if one else replica_weights(holders))
-        return self._slots
+
+    def _make_grad_slots(self) -> GradSlots:
+        holders = [fp.sharded_param for g in self._groups for fp in g.fsdp_params]
+        groups = {shard_group(p) for p in holders}
+        # 1-D FSDP2 or HSDP: the shards of one group; with tensor parallelism (or
+        # parameters on different meshes) each counts once over all ranks.
+        one = len(groups) == 1 and None not in groups
+        return GradSlots(holders, groups.pop() if one else None, True,
+                         fsdp2_layout(self.model, self._groups),
+                         None if one else replica_weights(holders))
 
     # Pass boundaries #
     def on_backward_start(self) -> None:

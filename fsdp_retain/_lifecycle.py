@@ -257,7 +257,10 @@ class BlockBase(abc.ABC):
                 "block.grads() reduces each loss's gradients in its own pass, so it needs "
                 "sync_grads='every' (the default); this block has sync_grads='last'."
             )
-        slots = self._grad_slots()
+        self._check_grads()
+        if self._slots is None:
+            self._slots = self._make_grad_slots()
+        slots = self._slots
         saved = slots.take()
         try:
             loss.backward(retain_graph=retain_graph)
@@ -267,9 +270,11 @@ class BlockBase(abc.ABC):
         grads = LossGrads(slots, values)
         return grads if params is None else grads.select(params)
 
-    def _grad_slots(self) -> GradSlots:
-        """Where the gradients the optimizer steps on are, for ``grads``; raises where
-        a pass does not reduce."""
+    def _check_grads(self) -> None:
+        """Before every ``grads`` pass: raises where the pass would not reduce."""
+
+    def _make_grad_slots(self) -> GradSlots:
+        """Where the gradients the optimizer steps on are, for ``grads`` (once per block)."""
         raise ValueError(
             f"block.grads() is not supported on this backend ({type(self).__name__}); "
             "FSDP1, FSDP2 and DeepSpeed ZeRO-3 support it."

@@ -7,7 +7,7 @@ counterpart of ``torch.autograd.grad(loss, model.parameters())``: one backward
 pass of ``loss`` that FSDP reduces and shards as any pass inside the block (one
 reduce-scatter per unit), whose gradients come back as a ``LossGrads`` instead of
 adding to ``.grad``. ``.grad`` is left exactly as it was: the block moves it
-aside for the pass (``_grad_slots``: the ``.grad`` of FSDP2's sharded parameters,
+aside for the pass (``_make_grad_slots``: the ``.grad`` of FSDP2's sharded parameters,
 of FSDP1's flat parameters and, with ``use_orig_params=True``, of its original
 parameters; ZeRO-3's gradient partitions) and puts the same tensors back after.
 
