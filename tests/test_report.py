@@ -467,7 +467,7 @@ def test_missing_transformers_fails_up_front_naming_the_extra(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "needs transformers" in proc.stderr and "fsdp-retain[report]" in proc.stderr
+    assert "needs transformers" in proc.stderr and "pip install '.[report]'" in proc.stderr
     assert "setup FAILED" not in proc.stdout and not (tmp_path / "report.json").exists()
 
 
@@ -477,7 +477,7 @@ def test_missing_deepspeed_names_its_extra(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     assert _cli.main(["--backend", "deepspeed", "--size", "tiny", "--out", str(tmp_path)]) == 2
-    assert "DS_BUILD_OPS=0 pip install 'fsdp-retain[deepspeed]'" in capsys.readouterr().err
+    assert "DS_BUILD_OPS=0 pip install '.[deepspeed]'" in capsys.readouterr().err
     with pytest.raises(MissingDependency, match="deepspeed"):
         run_report(ReportConfig(backends=("deepspeed",), size="tiny", out=str(tmp_path)))
     check_dependencies(("fsdp2", "fsdp1"))  # torch-only backends need nothing more

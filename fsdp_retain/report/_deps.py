@@ -30,9 +30,9 @@ def _importable(name: str) -> bool:
 
 
 def install_hint(extra: str) -> str:
+    # fsdp-retain is not on a package index: its extras install from a clone.
     prefix = "DS_BUILD_OPS=0 " if extra == "deepspeed" else ""
-    return (f"{prefix}pip install 'fsdp-retain[{extra}]' (from a clone: "
-            f"{prefix}pip install -e '.[{extra}]')")
+    return f"{prefix}pip install '.[{extra}]' in a clone of fsdp-retain (the {extra} extra)"
 
 
 def check_dependencies(backends: Iterable[str] = ()) -> list[str]:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ._deps import install_hint
 from ._modes import KEEP_SLACK_TEXT, REGATHER_SLACK_TEXT, mode_legend
 from ._rows import BREAKDOWN_KEYS, Report, ReportRow
 
@@ -315,8 +316,8 @@ def write_report(report: Report, out_dir: Path) -> dict[str, Any]:
     try:
         paths.update(write_figures(report, out_dir))
     except ImportError as exc:  # matplotlib is an optional dependency
-        print(f"[report] no report.png, tradeoff.png: {exc} (the report extra: pip install "
-              "'fsdp-retain[report]')", flush=True)
+        print(f"[report] no report.png, tradeoff.png: {exc} ({install_hint('report')})",
+              flush=True)
     paths["md_text"] = text
     return paths
 
