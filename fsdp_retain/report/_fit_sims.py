@@ -75,10 +75,12 @@ def _search(run: BackendRun, gpu_memory: int, jobs: int, log: Callable[[str], No
     running: dict[Any, str | int] = {}  # a simulation -> its option label or budget
 
     def next_task() -> str | int | None:
-        # False first (the search starts from it), True before any budget (if it fits,
-        # no budget is needed).
+        # False first (the search starts from it), then True; no budget until True's
+        # peak is in (if it fits, no budget is needed).
         if todo:
             return todo.pop(0)
+        if "True" not in peaks:
+            return None
         return search.next_probe([t for t in running.values() if isinstance(t, int)])
 
     def record(task: str | int, peak: int, seconds: float) -> None:
