@@ -183,3 +183,17 @@ def test_search_answers_none_and_true():
     units = [300] + [1000] * 3
     assert _search(units, 99, lambda kept: 100 + sum(units[i] for i in kept)) == (None, 0)
     assert _search(units, 10**6, lambda kept: 100 + len(kept)) == (sum(units), 0)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/report/README.md", "docs/options.md"])
+def test_docs_show_a_fit_command_that_parses(doc):
+    """Each doc that tells how to find a budget shows the fit command, with flags it takes."""
+    from fsdp_retain.report._fit_cli import PROG, _parser
+
+    text = (ROOT / doc).read_text().replace("\\\n", " ")  # bash line continuations
+    commands = re.findall(r"(python -m fsdp_retain\.report fit [^`\n]*)", text)
+    commands = [c for c in commands if "--help" not in c]
+    assert commands, f"{doc} shows no `{PROG} ...` command"
+    for command in commands:
+        args = _parser(PROG).parse_args(command.split()[4:])  # exits 2 on a flag it lacks
+        assert args.gpu_memory and args.world_size, command

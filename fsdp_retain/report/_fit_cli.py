@@ -13,10 +13,14 @@ import os
 import shlex
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from ._config import DIM_FLAGS, DTYPES, SIZES, ReportConfig
 from ._deps import MissingDependency, check_dependencies
 from ._fit import all_gathers, human_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from ._fit_sims import FitRun
 
 PROG = "python -m fsdp_retain.report fit"
 EXAMPLE = ("--model-config config.json --world-size 64 --gpu-memory 80GiB --dtype bf16 "
@@ -118,52 +122,71 @@ def _config(args: argparse.Namespace, argv: list[str],
     return cfg, gpu_memory
 
 
-def render(cfg: ReportConfig, backend: str, gpu_memory: int, found) -> str:
+def render(cfg: ReportConfig, backend: str, gpu_memory: int, found: FitRun) -> str:
     """The answer: the budget to paste, its peak and all-gathers, the other options."""
-    meta, peaks, search = found.meta, found.peaks, found.search
-    units, dims = meta["unit_bytes"], cfg.dims()
-    answer = search.answer()
-    gpu = human_bytes(gpu_memory)
-    model = cfg.model_config or f"--size {cfg.size}"
+    meta, dims = found.meta, cfg.dims()
+    checkpointing = "" if cfg.activation_checkpointing else "no "
     lines = [
-        f"{model}: {meta['model_class']}, {meta['param_count'] / 1e6:.1f}M params, "
-        f"{meta['fsdp_units']} FSDP units; {cfg.dtype}, batch {dims['batch']} x "
-        f"{dims['seq_len']} tokens per rank, "
-        f"{'activation checkpointing' if cfg.activation_checkpointing else 'no activation checkpointing'}"
-        f", {backend.upper()} on {cfg.simulate_world_size} ranks, two backward passes per step; "
-        f"GPU memory {gpu} per rank",
+        f"{cfg.model_config or '--size ' + cfg.size}: {meta['model_class']}, "
+        f"{meta['param_count'] / 1e6:.1f}M params, {meta['fsdp_units']} FSDP units; {cfg.dtype}, "
+        f"batch {dims['batch']} x {dims['seq_len']} tokens per rank, {checkpointing}activation "
+        f"checkpointing, {backend.upper()} on {cfg.simulate_world_size} ranks, two backward "
+        f"passes per step; GPU memory {human_bytes(gpu_memory)} per rank",
         "",
+        *_answer(found, gpu_memory),
+        "",
+        *_table(found, gpu_memory),
+        "",
+        "Estimates (fake process group and fake tensors on this CPU): they leave out the CUDA "
+        "context and allocator slack, a few GiB; the units are the report's, one per decoder "
+        "layer plus the root (docs/report/README.md).",
     ]
-    regather = all_gathers(units, 0, frees_after_forward=True)
+    return "\n".join(lines)
+
+
+def _answer(found: FitRun, gpu_memory: int) -> list[str]:
+    search, units = found.search, found.meta["unit_bytes"]
+    answer = search.answer()
     if answer is None:
-        lines += [f"Not even keep_unsharded=False fits: its peak is {human_bytes(peaks['False'])} "
-                  f"per rank, over {gpu}. More ranks, activation checkpointing, a smaller "
-                  "batch or sequence, or a larger GPU; then run this again.", ""]
-        paste = None
-    elif answer >= search.total:
-        lines += [f"keep_unsharded=True: the default fits, every unit kept (peak "
-                  f"{human_bytes(peaks['True'])} per rank); no budget needed.", ""]
-        paste = "no_reshard_between_backwards(model)"
-    else:
-        kept = search.kept(answer)
-        gathers = all_gathers(units, answer, frees_after_forward=True)
-        peak = search.peak(answer)
-        assert peak is not None
-        lines += [
-            f"Largest budget that fits: keep_unsharded={answer}",
-            f"  peak {human_bytes(peak)} per rank ({peak} bytes); keeps {len(kept)} of {len(units)} units "
-            f"({human_bytes(answer)} of unsharded parameters); saves {regather - gathers} "
-            f"all-gathers per step against keep_unsharded=False ({gathers} instead of {regather})",
-            "",
-        ]
-        paste = f"no_reshard_between_backwards(model, keep_unsharded={answer})"
-    lines += [f"| option | peak per rank | all-gathers per step | fits in {gpu} |",
-              "|---|--:|--:|---|"]
-    rows = [("keep_unsharded=True (the default)", peaks["True"], search.total)]
+        return [f"Not even keep_unsharded=False fits: its peak is "
+                f"{human_bytes(found.peaks['False'])} per rank, over {human_bytes(gpu_memory)}. "
+                "Use more ranks, activation checkpointing, a smaller batch or sequence, or a "
+                "larger GPU, and run this again."]
+    if answer >= search.total:
+        return [f"keep_unsharded=True, the default, fits: every unit kept, peak "
+                f"{human_bytes(found.peaks['True'])} per rank; no budget needed.",
+                "", "Paste: no_reshard_between_backwards(model)"]
+    peak = search.peak(answer)
+    assert peak is not None
+    if answer == 0:
+        return ["Largest budget that fits: keep_unsharded=0",
+                f"  which is keep_unsharded=False: peak {human_bytes(peak)} per rank ({peak} "
+                "bytes); with any one unit kept it does not fit",
+                "", "Paste: no_reshard_between_backwards(model, keep_unsharded=False)"]
+    kept = search.kept(answer)
+    layers = f"{len(kept - {0})} of {len(units) - 1} decoder layers{' and the root' * (0 in kept)}"
+    regather = all_gathers(units, 0, frees_after_forward=True)
+    gathers = all_gathers(units, answer, frees_after_forward=True)
+    return [
+        f"Largest budget that fits: keep_unsharded={answer}",
+        f"  peak {human_bytes(peak)} per rank ({peak} bytes); keeps {layers} unsharded "
+        f"({human_bytes(answer)} per rank); saves {regather - gathers} all-gathers per step "
+        f"against keep_unsharded=False ({gathers} instead of {regather})",
+        "", f"Paste: no_reshard_between_backwards(model, keep_unsharded={answer})",
+    ]
+
+
+def _table(found: FitRun, gpu_memory: int) -> list[str]:
+    search, peaks, units = found.search, found.peaks, found.meta["unit_bytes"]
+    answer = search.answer()
+    rows: list[tuple[str, int | None, int]] = [
+        ("keep_unsharded=True (the default)", peaks["True"], search.total)]
     if answer is not None and 0 < answer < search.total:
         rows.append((f"keep_unsharded={answer}", search.peak(answer), answer))
     rows += [("keep_unsharded=False", peaks["False"], 0),
              ('keep_unsharded=True, sync_grads="last"', peaks.get("True, last"), search.total)]
+    lines = [f"| option | peak per rank | all-gathers per step | fits in {human_bytes(gpu_memory)} |",
+             "|---|--:|--:|---|"]
     for name, peak, budget in rows:
         shown = (human_bytes(peak) if peak is not None
                  else f"over {human_bytes(peaks['True'])} (not simulated)")
@@ -172,11 +195,6 @@ def render(cfg: ReportConfig, backend: str, gpu_memory: int, found) -> str:
                      f"{all_gathers(units, budget, frees_after_forward=True)} | {fits} |")
     if "True, last" not in peaks:
         lines += ["", 'sync_grads="last" holds what keep_unsharded=True holds and the unsharded '
-                  "gradients of every unit until the last pass: it is simulated only where "
+                  "gradients of every unit until the last pass: simulated only where "
                   "keep_unsharded=True fits."]
-    if paste is not None:
-        lines += ["", f"Paste: {paste}"]
-    lines += ["", "Estimates (fake process group and fake tensors on this CPU): they leave out "
-              "the CUDA context and allocator slack, a few GiB; the units are the report's, "
-              "one per decoder layer plus the root (docs/report/README.md)."]
-    return "\n".join(lines)
+    return lines
