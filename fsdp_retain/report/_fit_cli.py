@@ -94,7 +94,8 @@ def main(argv: list[str], *, prog: str = PROG) -> int:
     def log(message: str) -> None:
         print(f"[fit {time.monotonic() - started:5.0f}s] {message}", file=sys.stderr, flush=True)
 
-    jobs = args.jobs or min(len(os.sched_getaffinity(0)), 4)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    jobs = args.jobs or min(cpus or 1, 4)
     try:
         found = run_fit(cfg, args.backend, gpu_memory, jobs, log)
     except RuntimeError as exc:
@@ -185,7 +186,8 @@ def _table(found: FitRun, gpu_memory: int) -> list[str]:
         rows.append((f"keep_unsharded={answer}", search.peak(answer), answer))
     rows += [("keep_unsharded=False", peaks["False"], 0),
              ('keep_unsharded=True, sync_grads="last"', peaks.get("True, last"), search.total)]
-    lines = [f"| option | peak per rank | all-gathers per step | fits in {human_bytes(gpu_memory)} |",
+    gpu = human_bytes(gpu_memory)
+    lines = [f"| option | peak per rank | all-gathers per step | fits in {gpu} |",
              "|---|--:|--:|---|"]
     for name, peak, budget in rows:
         shown = (human_bytes(peak) if peak is not None

@@ -78,8 +78,9 @@ class BudgetSearch:
             # a guess of none: the next one, which then does not fit.
             guess = self._guess(lo, hi)
             for j in (guess, guess + 1) if guess > lo else (lo + 1,):
-                if j < hi and self.fits(self._sums[j]) is None and self.kept(self._sums[j]) not in busy:
-                    return self._sums[j]
+                budget = self._sums[j] if j < hi else None
+                if budget is not None and self.kept(budget) not in busy:
+                    return budget  # unknown: every j between lo and hi is
             return None
         if self.fits(self.total) is None:
             return None
