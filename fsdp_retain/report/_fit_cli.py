@@ -61,11 +61,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         help="default: fsdp2 (fully_shard)")
     parser.add_argument("--jobs", type=int, default=None, metavar="N",
                         help="simulations run at once (default: the CPUs available, at most 4)")
-    for name in DIM_FLAGS:
+    for name in DIM_FLAGS:  # --layers shown; --hidden, ... work as in the report
         if name not in ("batch", "seq_len"):
+            shown = "decoder layers instead of the model's" if name == "layers" else None
             parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                                dest=name, help="override the model's field" if name == "layers"
-                                else argparse.SUPPRESS)
+                                dest=name, help=shown or argparse.SUPPRESS)
     return parser
 
 
