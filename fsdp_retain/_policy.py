@@ -100,6 +100,20 @@ def kept_units(
     """
     if isinstance(keep_unsharded, bool):
         return {unit for unit, _, _ in units} if keep_unsharded else set()
+    kept, left = set(), keep_unsharded
+    for unit, nbytes, _ in keep_order(units, passes):
+        if nbytes <= left:
+            kept.add(unit)
+            left -= nbytes
+    return kept
+
+
+def keep_order(
+    units: Iterable[tuple[Unit, int, bool]], passes: int | None = None,
+) -> list[tuple[Unit, int, bool]]:
+    """``units`` (as ``kept_units`` takes them) in the order a byte budget keeps them:
+    the most all-gathers saved per byte first, ties in backward order. A budget of
+    the bytes of the first ``j`` keeps exactly those ``j``."""
     passes = max(passes or 2, 2)
 
     def order(item: tuple[int, tuple[Unit, int, bool]]) -> tuple[float, int]:
@@ -107,12 +121,7 @@ def kept_units(
         saved = regathers_saved(frees, passes)
         return (-saved / nbytes if nbytes else -math.inf), index
 
-    kept, left = set(), keep_unsharded
-    for _, (unit, nbytes, _) in sorted(enumerate(units), key=order):
-        if nbytes <= left:
-            kept.add(unit)
-            left -= nbytes
-    return kept
+    return [unit for _, unit in sorted(enumerate(units), key=order)]
 
 
 @dataclasses.dataclass(frozen=True)

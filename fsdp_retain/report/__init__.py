@@ -24,6 +24,10 @@ beyond torch, checked up front), ``_memory`` (peak and breakdown), ``_runner``
 ``_results`` (rows from every rank, the comparisons, the report), ``_simulate``,
 ``_launch`` (ranks), ``_output`` (the files), ``_figures`` (the figures;
 ``python -m fsdp_retain.report.figures`` redraws them from ``report.json`` files).
+``python -m fsdp_retain.report fit`` prints the largest ``keep_unsharded`` budget that
+fits a GPU: ``_fit_cli`` (its command line and answer), ``_fit_search`` (which budgets to
+simulate), ``_fit_sims`` (the simulated steps, forked from one build), ``_fit`` (budgets'
+units and all-gathers).
 """
 
 from ._cli import main, parse_args

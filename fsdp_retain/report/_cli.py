@@ -17,13 +17,7 @@ from ._results import unexpected_failures
 PROG = "-m fsdp_retain.report"  # what follows ``python`` (or ``torchrun ...``) in a command
 
 
-def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConfig:
-    """The ``ReportConfig`` a command line asks for (``--help`` lists the flags).
-
-    Example::
-
-        cfg = parse_args(["--simulate-world-size", "8", "--size", "7b", "--dtype", "bf16"])
-    """
+def _parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"python {prog}",
         description=(
@@ -32,6 +26,9 @@ def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConf
             "random weights. Writes report.json, report.md, report.png and (timed runs) "
             "tradeoff.png into --out; python -m fsdp_retain.report.figures redraws the figures."
         ),
+        epilog=(f"The largest keep_unsharded budget for your model: python {prog} fit "
+                "--model-config config.json --world-size 64 --gpu-memory 80GiB --dtype bf16 "
+                f"(python {prog} fit --help)."),
     )
     parser.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=ALL_BACKENDS,
                         help="backends to run, in order (default: fsdp2 fsdp1; deepspeed: "
@@ -68,7 +65,22 @@ def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConf
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds before a launch or a collective gives up")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, *, prog: str = PROG) -> ReportConfig:
+    """The ``ReportConfig`` a command line asks for (``--help`` lists the flags).
+
+    Example::
+
+        cfg = parse_args(["--simulate-world-size", "8", "--size", "7b", "--dtype", "bf16"])
+    """
+    parser = _parser(prog)
+    return _config(parser, parser.parse_args(argv), argv, prog)
+
+
+def _config(parser: argparse.ArgumentParser, args: argparse.Namespace,
+            argv: list[str] | None, prog: str) -> ReportConfig:
     if args.size is not None and args.model_config is not None:
         parser.error("use --size or --model-config, not both")
     raw = sys.argv[1:] if argv is None else argv
@@ -104,9 +116,16 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
     an expected crash, such as plain FSDP1's ``naive`` row), 2 when a dependency is
     missing (checked before anything runs; the message names the extra to install).
     """
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["fit"]:
+        from ._fit_cli import main as fit_main
+
+        return fit_main(argv[1:], prog=f"python {prog} fit")
+    parser = _parser(prog)
+    args = parser.parse_args(argv)  # --help needs no extra
     try:
-        check_dependencies()  # --model-config needs transformers to parse the flags
-        cfg = parse_args(argv, prog=prog)
+        check_dependencies()  # --model-config needs transformers to read the config
+        cfg = _config(parser, args, argv, prog)
         check_dependencies(cfg.backends)
     except MissingDependency as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -30,6 +30,13 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * unit)
 
 
+def human_bytes(nbytes: int) -> str:
+    """``"79.33 GiB"``, or MiB under a GiB."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
 def unit_bytes(model, layers) -> list[int]:
     """Unsharded parameter bytes per unit in backward order: the root, then the layers
     last to first (one unit each, as the report shards them)."""
@@ -52,17 +59,18 @@ def _fraction(label: str) -> float | None:
 
 def kept_count(units: list[int], budget: int) -> int:
     """How many units the library keeps with ``budget`` (``units`` as ``unit_bytes``)."""
-    return len(_kept(units, budget))
+    return len(kept_units_of(units, budget))
 
 
-def _kept(units: list[int], budget: int) -> set[int]:
+def kept_units_of(units: list[int], budget: int) -> set[int]:
+    """The units (indices into ``units``, as ``unit_bytes`` gives them) kept with ``budget``."""
     return kept_units([(i, n, i > 0) for i, n in enumerate(units)], budget, BACKWARDS)
 
 
 def all_gathers(units: list[int], budget: int, frees_after_forward: bool) -> int:
     """All-gathers per step with ``BACKWARDS`` passes: the forward gathers every unit;
     pass 1 the layers freed after forward and not kept; later passes every unit not kept."""
-    kept = _kept(units, budget)
+    kept = kept_units_of(units, budget)
     n, k = len(units), len(kept)
     layers_not_kept = sum(1 for i in range(1, n) if i not in kept)
     return n + (layers_not_kept if frees_after_forward else 0) + (BACKWARDS - 1) * (n - k)

@@ -194,10 +194,15 @@ def mode_labels() -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """One mode with its ``sync_grads``; ``label`` is ``name[:sync_grads]``."""
+    """One mode with its ``sync_grads``; ``label`` is ``name[:sync_grads]``.
+
+    ``budget_bytes``: ``keep_unsharded`` as these bytes (``fit`` simulates such budgets;
+    label ``keep_unsharded=<bytes>:<sync_grads>``).
+    """
 
     name: str
     sync_grads: str | None = None
+    budget_bytes: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> Mode:
@@ -216,7 +221,8 @@ class Mode:
 
     @property
     def label(self) -> str:
-        return self.name if self.sync_grads is None else f"{self.name}:{self.sync_grads}"
+        name = self.name if self.budget_bytes is None else f"keep_unsharded={self.budget_bytes}"
+        return name if self.sync_grads is None else f"{name}:{self.sync_grads}"
 
     @property
     def uses_library(self) -> bool:
@@ -227,7 +233,9 @@ class Mode:
         (budget modes need the model's unsharded parameter bytes)."""
         assert self.spec.block is not None, self
         options = {**self.spec.block, "sync_grads": self.sync_grads, "backwards": BACKWARDS}
-        if self.spec.budget is not None:
+        if self.budget_bytes is not None:
+            options["keep_unsharded"] = self.budget_bytes
+        elif self.spec.budget is not None:
             assert unsharded_bytes is not None, f"{self.label} needs the unsharded bytes"
             options["keep_unsharded"] = int(self.spec.budget * unsharded_bytes)
         return options

@@ -8,10 +8,12 @@ the backends after the first run in processes of their own, in parallel.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from typing import Any
@@ -54,6 +56,16 @@ def simulate(cfg: ReportConfig) -> dict:
 
 def _simulate_backend(cfg: ReportConfig, backend: str) -> tuple[list[ReportRow], dict[str, Any]]:
     """Rows and model facts of one backend, under a fake process group of this process."""
+    with simulated_rank(cfg, backend) as run:
+        _measure(run)
+        return merge_ranks(cfg, backend, [run.results], run.meta, cfg.simulate_world_size or 1,
+                           True), run.meta
+
+
+@contextlib.contextmanager
+def simulated_rank(cfg: ReportConfig, backend: str) -> Iterator[BackendRun]:
+    """Rank 0 of ``cfg.simulate_world_size`` under a fake process group of this process,
+    inside a ``FakeTensorMode`` with its batch made; ``run.build()`` builds the model."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -78,8 +90,7 @@ def _simulate_backend(cfg: ReportConfig, backend: str) -> tuple[list[ReportRow],
         run = BackendRun(cfg, backend, device, 0, world, mesh=mesh, single_process=True)
         with FakeTensorMode():
             run.batch = make_batch(cfg, 0, device)
-            _measure(run)
-        return merge_ranks(cfg, backend, [run.results], run.meta, world, True), run.meta
+            yield run
     finally:
         dist.destroy_process_group()
 

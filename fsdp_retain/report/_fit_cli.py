@@ -1,0 +1,202 @@
+"""``python -m fsdp_retain.report fit``: the largest ``keep_unsharded`` budget, one command.
+
+Simulates one rank of ``--world-size`` (``--simulate-world-size``'s machinery: fake
+process group, fake tensors, torch's memory trackers) for ``keep_unsharded=True``,
+``False``, ``sync_grads="last"`` and the budgets ``BudgetSearch`` asks for, and prints
+the largest budget whose peak fits in ``--gpu-memory``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from ._config import DIM_FLAGS, DTYPES, SIZES, ReportConfig
+from ._deps import MissingDependency, check_dependencies
+from ._fit import all_gathers, human_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from ._fit_sims import FitRun
+
+PROG = "python -m fsdp_retain.report fit"
+EXAMPLE = ("--model-config config.json --world-size 64 --gpu-memory 80GiB --dtype bf16 "
+           "--batch 1 --seq-len 4096 --activation-checkpointing")
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "The largest keep_unsharded budget (bytes per rank) whose estimated peak fits in "
+            "--gpu-memory, for your model on --world-size ranks, with the peaks of "
+            "keep_unsharded=True (the default), False and sync_grads=\"last\". Estimated on "
+            "this CPU: one simulated rank (fake process group and fake tensors), one FSDP unit "
+            "per decoder layer plus the root, two backward passes per step. Needs "
+            "transformers (the report extra)."
+        ),
+        epilog=f"example: {prog} {EXAMPLE}",
+    )
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model-config", metavar="PATH",
+                       help="a Hugging Face causal LM config.json (or its folder); nothing is "
+                            "downloaded, the weights are random")
+    model.add_argument("--size", choices=list(SIZES), help="a Qwen2.5-shaped preset instead")
+    parser.add_argument("--world-size", type=int, required=True, metavar="N",
+                        help="ranks the model is sharded over")
+    parser.add_argument("--gpu-memory", required=True, metavar="SIZE",
+                        help="memory per GPU, e.g. 80GiB, 141GiB or 80e9 (bytes)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                        help="parameter (and gradient) dtype (default: fp32)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per rank (default 1)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence (default: 2048, or the config's "
+                             "max_position_embeddings if smaller)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="non-reentrant activation checkpointing on every decoder layer")
+    parser.add_argument("--backend", default="fsdp2", choices=("fsdp2", "fsdp1"),
+                        help="default: fsdp2 (fully_shard)")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="simulations run at once (default: the CPUs available, at most 4)")
+    for name in DIM_FLAGS:  # --layers shown; --hidden, ... work as in the report
+        if name not in ("batch", "seq_len"):
+            shown = "decoder layers instead of the model's" if name == "layers" else None
+            parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                                dest=name, help=shown or argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str], *, prog: str = PROG) -> int:
+    """Runs ``fit`` for ``argv`` (what follows ``fit``). 0: answered (also when nothing
+    fits), 1: a simulated step failed, 2: a bad flag or a missing dependency."""
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        check_dependencies()
+    except MissingDependency as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        cfg, gpu_memory = _config(args, argv, prog)
+        from ._model import check_model_config
+
+        if cfg.model_config is not None:
+            check_model_config(cfg)
+    except ValueError as exc:
+        parser.error(str(exc))
+    from ._fit_sims import run_fit
+
+    started = time.monotonic()
+
+    def log(message: str) -> None:
+        print(f"[fit {time.monotonic() - started:5.0f}s] {message}", file=sys.stderr, flush=True)
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    jobs = args.jobs or min(cpus or 1, 4)
+    try:
+        found = run_fit(cfg, args.backend, gpu_memory, jobs, log)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    log(f"done in {time.monotonic() - started:.0f}s")
+    print(render(cfg, args.backend, gpu_memory, found))
+    return 0
+
+
+def _config(args: argparse.Namespace, argv: list[str],
+            prog: str) -> tuple[ReportConfig, int]:
+    if args.world_size < 1:
+        raise ValueError(f"--world-size {args.world_size}: pass the number of ranks, 1 or more")
+    gpu_memory = parse_bytes(args.gpu_memory)
+    if gpu_memory <= 0:
+        raise ValueError(f"--gpu-memory {args.gpu_memory}: pass the memory of one GPU, e.g. 80GiB")
+    cfg = ReportConfig(
+        backends=(args.backend,), modes=("two_forward",), dtype=args.dtype,
+        size=args.size or "small", model_config=args.model_config,
+        simulate_world_size=args.world_size, activation_checkpointing=args.activation_checkpointing,
+        command=f"{prog} {shlex.join(argv)}", out=os.devnull,
+        **{name: getattr(args, name) for name in DIM_FLAGS},
+    )
+    return cfg, gpu_memory
+
+
+def render(cfg: ReportConfig, backend: str, gpu_memory: int, found: FitRun) -> str:
+    """The answer: the budget to paste, its peak and all-gathers, the other options."""
+    meta, dims = found.meta, cfg.dims()
+    checkpointing = "" if cfg.activation_checkpointing else "no "
+    lines = [
+        f"{cfg.model_config or '--size ' + cfg.size}: {meta['model_class']}, "
+        f"{meta['param_count'] / 1e6:.1f}M params, {meta['fsdp_units']} FSDP units; {cfg.dtype}, "
+        f"batch {dims['batch']} x {dims['seq_len']} tokens per rank, {checkpointing}activation "
+        f"checkpointing, {backend.upper()} on {cfg.simulate_world_size} ranks, two backward "
+        f"passes per step; GPU memory {human_bytes(gpu_memory)} per rank",
+        "",
+        *_answer(found, gpu_memory),
+        "",
+        *_table(found, gpu_memory),
+        "",
+        "Estimates (fake process group and fake tensors on this CPU): they leave out the CUDA "
+        "context and allocator slack, a few GiB; the units are the report's, one per decoder "
+        "layer plus the root (docs/report/README.md).",
+    ]
+    return "\n".join(lines)
+
+
+def _answer(found: FitRun, gpu_memory: int) -> list[str]:
+    search, units = found.search, found.meta["unit_bytes"]
+    answer = search.answer()
+    if answer is None:
+        return [f"Not even keep_unsharded=False fits: its peak is "
+                f"{human_bytes(found.peaks['False'])} per rank, over {human_bytes(gpu_memory)}. "
+                "Use more ranks, activation checkpointing, a smaller batch or sequence, or a "
+                "larger GPU, and run this again."]
+    if answer >= search.total:
+        return [f"keep_unsharded=True, the default, fits: every unit kept, peak "
+                f"{human_bytes(found.peaks['True'])} per rank; no budget needed.",
+                "", "Paste: no_reshard_between_backwards(model)"]
+    peak = search.peak(answer)
+    assert peak is not None
+    if answer == 0:
+        return ["Largest budget that fits: keep_unsharded=0",
+                f"  which is keep_unsharded=False: peak {human_bytes(peak)} per rank ({peak} "
+                "bytes); with any one unit kept it does not fit",
+                "", "Paste: no_reshard_between_backwards(model, keep_unsharded=False)"]
+    kept = search.kept(answer)
+    layers = f"{len(kept - {0})} of {len(units) - 1} decoder layers{' and the root' * (0 in kept)}"
+    regather = all_gathers(units, 0, frees_after_forward=True)
+    gathers = all_gathers(units, answer, frees_after_forward=True)
+    return [
+        f"Largest budget that fits: keep_unsharded={answer}",
+        f"  peak {human_bytes(peak)} per rank ({peak} bytes); keeps {layers} unsharded "
+        f"({human_bytes(answer)} per rank); saves {regather - gathers} all-gathers per step "
+        f"against keep_unsharded=False ({gathers} instead of {regather})",
+        "", f"Paste: no_reshard_between_backwards(model, keep_unsharded={answer})",
+    ]
+
+
+def _table(found: FitRun, gpu_memory: int) -> list[str]:
+    search, peaks, units = found.search, found.peaks, found.meta["unit_bytes"]
+    answer = search.answer()
+    rows: list[tuple[str, int | None, int]] = [
+        ("keep_unsharded=True (the default)", peaks["True"], search.total)]
+    if answer is not None and 0 < answer < search.total:
+        rows.append((f"keep_unsharded={answer}", search.peak(answer), answer))
+    rows += [("keep_unsharded=False", peaks["False"], 0),
+             ('keep_unsharded=True, sync_grads="last"', peaks.get("True, last"), search.total)]
+    gpu = human_bytes(gpu_memory)
+    lines = [f"| option | peak per rank | all-gathers per step | fits in {gpu} |",
+             "|---|--:|--:|---|"]
+    for name, peak, budget in rows:
+        shown = (human_bytes(peak) if peak is not None
+                 else f"over {human_bytes(peaks['True'])} (not simulated)")
+        fits = "yes" if peak is not None and peak <= gpu_memory else "no"
+        lines.append(f"| {name} | {shown} | "
+                     f"{all_gathers(units, budget, frees_after_forward=True)} | {fits} |")
+    if "True, last" not in peaks:
+        lines += ["", 'sync_grads="last" holds what keep_unsharded=True holds and the unsharded '
+                  "gradients of every unit until the last pass: simulated only where "
+                  "keep_unsharded=True fits."]
+    return lines

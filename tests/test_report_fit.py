@@ -1,0 +1,199 @@
+"""``python -m fsdp_retain.report fit``: the largest ``keep_unsharded`` budget in one command.
+
+A 4-layer Qwen2 config.json (hidden 64, vocab 2048: the root is worth seven layers),
+2 simulated ranks, fp32, batch 2 x 64. The report's own simulation of the same model
+(``keep:every``, ``regather:every``, ``keep50:every``, ``keep25:every``) gives the
+peaks the command must print; ``--gpu-memory`` set to the ``keep50`` and ``keep25``
+peaks makes the command's answer the units those budgets keep. The search itself is
+checked on made-up peaks against every budget; ``--help`` without the report extras.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_retain.report import ReportConfig
+from fsdp_retain.report._fit import human_bytes, kept_units_of
+from fsdp_retain.report._fit_search import BudgetSearch
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN2 = dict(model_type="qwen2", num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
+             tie_word_embeddings=False, max_position_embeddings=32768)
+FLAGS = ["--world-size", "2", "--batch", "2", "--seq-len", "64", "--jobs", "2"]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qwen2") / "config.json"
+    path.write_text(json.dumps(QWEN2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def simulated(config):
+    """The report's simulation of the same model: label -> row, and the unit bytes."""
+    from fsdp_retain.report._simulate import _simulate_backend
+
+    cfg = ReportConfig(model_config=str(config), simulate_world_size=2, backends=("fsdp2",),
+                       batch=2, seq_len=64, modes=("two_forward", "keep:every", "regather:every",
+                                                   "keep50:every", "keep25:every"))
+    rows, meta = _simulate_backend(cfg, "fsdp2")
+    assert all(r.ok for r in rows), [r.error for r in rows]
+    return {r.label: r for r in rows}, meta["unit_bytes"]
+
+
+def fit_args(config: Path, gpu_memory: int) -> list[str]:
+    return ["fit", "--model-config", str(config), "--gpu-memory", str(gpu_memory), *FLAGS]
+
+
+def answer(out: str) -> tuple[int, int]:
+    """The printed budget and the printed peak bytes of that budget."""
+    budget = re.search(r"^Largest budget that fits: keep_unsharded=(\S+)$", out, re.M)
+    peak = re.search(r"^  peak .* \((\d+) bytes\)", out, re.M)
+    assert budget and peak, out
+    assert f"no_reshard_between_backwards(model, keep_unsharded={budget.group(1)})" in out, out
+    return int(budget.group(1)), int(peak.group(1))
+
+
+def test_fit_command_prints_the_report_simulations_budget(config, simulated):
+    """python -m fsdp_retain.report fit with the keep50 peak as the GPU memory: the budget
+    is an int that keeps keep50's units, its printed peak is keep50's (byte for byte, so
+    within the GPU memory); keep_unsharded=True and False show the report's peaks."""
+    rows, units = simulated
+    row = rows["keep50:every"]
+    proc = subprocess.run([sys.executable, "-m", "fsdp_retain.report",
+                           *fit_args(config, row.peak_bytes)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    budget, peak = answer(proc.stdout)
+    assert peak <= row.peak_bytes and peak == row.peak_bytes  # within --gpu-memory: exact
+    assert kept_units_of(units, budget) == kept_units_of(units, row.keep_unsharded), budget
+    for label, option in (("keep:every", "True (the default)"), ("regather:every", "False")):
+        shown = f"| keep_unsharded={option} | {human_bytes(rows[label].peak_bytes)} |"
+        assert shown in proc.stdout, proc.stdout
+    assert "fsdp2 keep50" not in proc.stdout and "[fit" in proc.stderr  # progress: stderr
+
+
+def test_fit_budget_shrinks_with_the_gpu_memory(config, simulated, capsys):
+    """The same command (in this process) with the smaller keep25 peak: a smaller budget,
+    keep25's units and peak."""
+    from fsdp_retain.report import main
+
+    rows, units = simulated
+    wide, narrow = rows["keep50:every"], rows["keep25:every"]
+    assert main(fit_args(config, narrow.peak_bytes)) == 0
+    budget, peak = answer(capsys.readouterr().out)
+    assert peak == narrow.peak_bytes and budget < wide.keep_unsharded
+    assert kept_units_of(units, budget) == kept_units_of(units, narrow.keep_unsharded), budget
+
+
+# Runs the command line with transformers and matplotlib unimportable; prints each exit code.
+_NO_EXTRAS = """
+import sys
+for name in ("transformers", "matplotlib"):
+    sys.modules[name] = None  # import transformers (or transformers.x) raises ImportError
+from fsdp_retain.report import main
+for argv in (["--help"], ["fit", "--help"],
+             ["fit", "--size", "tiny", "--world-size", "2", "--gpu-memory", "1GiB"]):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    print("EXIT", code, flush=True)
+"""
+
+
+def test_help_needs_no_report_extras():
+    """--help and fit --help work without transformers and matplotlib (exit 0); fit itself
+    then exits 2 naming the install from a clone, not a package index."""
+    proc = subprocess.run([sys.executable, "-c", _NO_EXTRAS], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert re.findall(r"^EXIT (\S+)$", proc.stdout, re.M) == ["0", "0", "2"], out
+    assert "usage: python -m fsdp_retain.report [-h]" in out and " fit " in out, out
+    assert "usage: python -m fsdp_retain.report fit" in out and "--gpu-memory" in out, out
+    assert "needs transformers" in out and "from a clone of this repository: pip install '.[report]'" in out, out
+    assert "fsdp-retain[" not in out, out
+
+
+def _search(units: list[int], gpu_memory: int, peak) -> tuple[int | None, int]:
+    """Runs ``BudgetSearch`` with ``peak(kept units)`` as the simulation: (answer, sims)."""
+    search = BudgetSearch(units, gpu_memory)
+    for budget in (0, search.total):
+        search.record(budget, peak(search.kept(budget)))
+    sims = 0
+    while not search.done():
+        running: list[int] = []
+        while (budget := search.next_probe(running)) is not None:
+            running.append(budget)
+        assert running, "the search stopped before its answer"
+        for budget in running:
+            search.record(budget, peak(search.kept(budget)))
+            sims += 1
+    return search.answer(), sims
+
+
+LLAMA_70B_64 = [4202708992] + [1711308800] * 80  # unit_bytes of docs/report/fit/llama3_70b_64
+
+
+@pytest.mark.parametrize("units", [LLAMA_70B_64, [300] + [1000] * 5, [900] + [1000] * 5,
+                                   [5000, 700, 1000, 400, 1000, 250]],
+                         ids=["llama3_70b", "small_root", "large_root", "mixed"])
+@pytest.mark.parametrize("extra", [0.0, 0.2, -0.2], ids=["bytes", "steeper", "flatter"])
+def test_search_finds_the_largest_budget_that_fits(units, extra):
+    """On peaks that grow with the bytes kept (by them, 20% more, 20% less), for GPU sizes
+    from below keep_unsharded=False to above True: the answer is the largest budget whose
+    units fit among all budgets, as the bytes of those units, and never grows as the GPU
+    shrinks. A search whose first guess is exact (the 70B units) simulates two budgets."""
+    base = 10 * max(units)
+
+    def peak(kept: frozenset[int]) -> int:
+        return base + int((1 + extra) * sum(units[i] for i in kept))
+
+    total = sum(units)
+    # The kept units change only at sums of units: the budgets to try them all.
+    budgets = {0}
+    for nbytes in units:
+        budgets |= {b + nbytes for b in budgets}
+    previous = None
+    for gpu_memory in range(base - 1, base + 2 * total, max(total // 13, 1)):
+        found, sims = _search(units, gpu_memory, peak)
+        fitting = [b for b in budgets if peak(frozenset(kept_units_of(units, b))) <= gpu_memory]
+        if not fitting:
+            assert found is None
+            continue
+        assert found is not None and peak(frozenset(kept_units_of(units, found))) <= gpu_memory
+        assert kept_units_of(units, found) == kept_units_of(units, max(fitting)), gpu_memory
+        assert found == sum(units[i] for i in kept_units_of(units, found)), found
+        assert previous is None or found >= previous
+        previous = found
+        if units is LLAMA_70B_64 and extra == 0.0 and found < total:
+            assert sims <= 2, (gpu_memory, sims)
+
+
+def test_search_answers_none_and_true():
+    """Not even False fits: None, nothing simulated; True fits: every unit's bytes."""
+    units = [300] + [1000] * 3
+    assert _search(units, 99, lambda kept: 100 + sum(units[i] for i in kept)) == (None, 0)
+    assert _search(units, 10**6, lambda kept: 100 + len(kept)) == (sum(units), 0)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/report/README.md", "docs/options.md"])
+def test_docs_show_a_fit_command_that_parses(doc):
+    """Each doc that tells how to find a budget shows the fit command, with flags it takes."""
+    from fsdp_retain.report._fit_cli import PROG, _parser
+
+    text = (ROOT / doc).read_text().replace("\\\n", " ")  # bash line continuations
+    commands = re.findall(r"(python -m fsdp_retain\.report fit [^`\n]*)", text)
+    commands = [c for c in commands if "--help" not in c]
+    assert commands, f"{doc} shows no `{PROG} ...` command"
+    for command in commands:
+        args = _parser(PROG).parse_args(command.split()[4:])  # exits 2 on a flag it lacks
+        assert args.gpu_memory and args.world_size, command
