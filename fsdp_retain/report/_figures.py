@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ._modes import MODES, mode_legend
+from ._modes import MODES, mode_legend, option_text
 from ._rows import BREAKDOWN_KEYS, Report, ReportRow
 
 WIDTH_IN = 8.0
@@ -101,19 +101,45 @@ def _title(cfg: dict[str, Any]) -> str:
             f"{cfg['seq_len']}, {cfg['device']} world size {cfg['world_size']}{simulated}")
 
 
-def model_name(cfg: dict[str, Any]) -> str:
-    """``Qwen2.5-7B (7.6B)``: the preset or the ``--model-config`` file, and the
-    parameter count."""
+# Readable names of ``--model-config`` shapes: (model class, layers, hidden, vocab) -> name.
+_KNOWN_MODELS: dict[tuple[str, Any, Any, Any], str] = {
+    ("Llama", 32, 4096, 128256): "Llama-3-8B",
+    ("Llama", 80, 8192, 128256): "Llama-3-70B",
+    ("Llama", 126, 16384, 128256): "Llama-3.1-405B",
+}
+
+
+def _params(cfg: dict[str, Any]) -> str:
     count = cfg.get("param_count") or 0
-    params = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+    return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+
+
+def _family(cfg: dict[str, Any]) -> str:
+    return str(cfg["model"]).split()[0].removesuffix("ForCausalLM")
+
+
+def model_name(cfg: dict[str, Any]) -> str:
+    """``Llama-3-70B (70.6B)``: a readable name of the preset or the ``--model-config``
+    shape (``_KNOWN_MODELS``, else the model class, layers and hidden size), and the
+    parameter count; the figures' names."""
     if cfg.get("model_config"):
-        name = Path(cfg["model_config"]).stem
-        name = Path(cfg["model_config"]).parent.name if name == "config" else name
+        shape = (_family(cfg), cfg.get("layers"), cfg.get("hidden"), cfg.get("vocab"))
+        name = _KNOWN_MODELS.get(shape) or f"{shape[0]} {shape[1]} layers x {shape[2]}"
     elif str(cfg.get("size", "")).endswith("b"):
         name = f"Qwen2.5-{cfg['size'].upper()}"
     else:
-        name = f"{cfg['model'].split()[0].removesuffix('ForCausalLM')} {cfg.get('size')}"
-    return f"{name} ({params})"
+        name = f"{_family(cfg)} {cfg.get('size')}"
+    return f"{name} ({_params(cfg)})"
+
+
+def table_model_name(cfg: dict[str, Any]) -> str:
+    """``llama3_70b (70.6B)``: the ``--model-config`` file's name (a preset's as in
+    ``model_name``), as will_it_fit.md and the table docs/report/README.md embeds say."""
+    if not cfg.get("model_config"):
+        return model_name(cfg)
+    name = Path(cfg["model_config"]).stem
+    name = Path(cfg["model_config"]).parent.name if name == "config" else name
+    return f"{name} ({_params(cfg)})"
 
 
 def _mode_notes(labels: Sequence[str]) -> str:
@@ -185,10 +211,20 @@ def report_figure(report: Report):
     return fig
 
 
+def error_text(row: ReportRow) -> str:
+    """What a failed row's bar says: ``n/a (FSDP2 only)`` for an FSDP2-only mode on another
+    backend (it cannot run there), ``expected crash`` (plain FSDP1's or ZeRO-3's ``naive``),
+    else ``error``."""
+    spec = MODES.get(row.mode)
+    if spec is not None and not spec.applies_to(row.backend):
+        return "n/a (FSDP2 only)"
+    return "expected crash" if row.expected_error else "error"
+
+
 def _error_mark(ax, y: float, row: ReportRow) -> None:
-    expected = bool(row.expected_error)
-    ax.text(0, y, " expected crash" if expected else " error", ha="left", va="center",
-            color="tab:gray" if expected else "red")
+    text = error_text(row)
+    ax.text(0, y, f" {text}", ha="left", va="center",
+            color="red" if text == "error" else "tab:gray")
 
 
 # tradeoff.png #
@@ -233,33 +269,69 @@ def tradeoff_figure(report: Report):
     for ax, backend in zip((a[0] for a in axes), backends):
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.axvline(0.0, color="gray", lw=0.8, ls="--")
-        handles["two_forward (the baseline)"] = ax.scatter(
+        handles[option_text("two_forward")] = ax.scatter(
             [0], [1.0], marker="*", s=220, color="black", zorder=5)
         for sync, curve in curves[backend].items():
             xs = [(r.memory_overhead_bytes or 0) / size for r in curve]
             ys = [r.time_ratio or 0 for r in curve]
             (line,) = ax.plot(xs, ys, "-o", color="tab:blue" if sync == "every" else "tab:red",
                               lw=2, ms=6, zorder=3)
-            handles[f'keep_unsharded False -> budgets -> True, sync_grads="{sync}"'] = line
+            handles[curve_text(sync)] = line
             _label_points(ax, curve, xs, ys)
-        for row in placed:
-            if row.backend != backend or row.label not in style:
-                continue
+        points = [r for r in placed if r.backend == backend and r.label in style]
+        for row in points:
             marker, color = style[row.label]
-            # FSDP2's recipe hollow: it often lands on a library mode's point.
+            # FSDP2's recipe hollow and larger, under the filled library markers: it often
+            # lands on a library mode's point, and both stay visible.
             recipe = row.mode == "fsdp2_recipe"
-            handles[row.label + (" (FSDP2 alone, hollow)" if recipe else "")] = ax.scatter(
+            handles[option_text(row.label)] = ax.scatter(
                 [(row.memory_overhead_bytes or 0) / size], [row.time_ratio], marker=marker,
-                s=110 if recipe else 60, facecolors="none" if recipe else color,
-                edgecolors=color, linewidths=2 if recipe else 1, zorder=4)
+                s=170 if recipe else 60, facecolors="none" if recipe else color,
+                edgecolors=color, linewidths=2 if recipe else 1, zorder=4 if recipe else 5)
+        _label_overlaps(ax, points, size, placed)
         ax.set_title(f"{backend}: step time against extra memory")
-        ax.set_xlabel(f"peak memory vs two_forward ({unit})")
-        ax.set_ylabel("step time / two_forward's")
+        ax.set_xlabel(f"peak memory vs two forwards ({unit})")
+        ax.set_ylabel("step time / two forwards'")
         ax.margins(0.12)
     fig.suptitle(_title(cfg))
     fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=2,
                frameon=False)
     return fig
+
+
+def curve_text(sync: str | None) -> str:
+    """The legend of a ``keep_unsharded`` curve, in the README's option names."""
+    last = "" if sync == "every" else f', sync_grads="{sync}"'
+    return f"keep_unsharded=False -> budgets -> True{last}" + (" (defaults)" if not last else "")
+
+
+def _label_overlaps(ax, points: Sequence[ReportRow], size: int,
+                    placed: Sequence[ReportRow]) -> None:
+    """Names the points off the curve that land on one another (e.g. ``check_saved_tensors``
+    and the FSDP2 recipe), each label on its own line beside the shared place, an arrow to
+    it: the markers stay at their measured values."""
+    where = [((r.memory_overhead_bytes or 0) / size, r.time_ratio or 0.0) for r in placed]
+    span_x = (max(x for x, _ in where) - min(x for x, _ in where)) or 1.0
+    span_y = (max(y for _, y in where) - min(y for _, y in where)) or 1.0
+    mid_x = (max(x for x, _ in where) + min(x for x, _ in where)) / 2
+    groups: list[list[tuple[float, float, ReportRow]]] = []
+    for row in points:
+        x, y = (row.memory_overhead_bytes or 0) / size, row.time_ratio or 0.0
+        for group in groups:
+            gx, gy, _ = group[0]
+            if abs(gx - x) < 0.03 * span_x and abs(gy - y) < 0.03 * span_y:
+                group.append((x, y, row))
+                break
+        else:
+            groups.append([(x, y, row)])
+    for group in (g for g in groups if len(g) > 1):
+        left = group[0][0] > mid_x  # labels on the side with room
+        for k, (x, y, row) in enumerate(group):
+            ax.annotate(textwrap.fill(option_text(row.label), 32), (x, y),
+                        xytext=(-22 if left else 22, 22 + 30 * (len(group) - 1 - k)),
+                        textcoords="offset points", ha="right" if left else "left",
+                        va="bottom", bbox=dict(facecolor="white", edgecolor="none", pad=1),
+                        arrowprops=dict(arrowstyle="-", color="0.4", lw=0.8))
 
 
 def _curves(rows: Sequence[ReportRow]) -> dict[str | None, list[ReportRow]]:
@@ -328,10 +400,11 @@ def fit_figure(reports: Sequence[Report], gpu_bytes: Sequence[int]):
     worlds = list(dict.fromkeys(r.config["world_size"] for r in reports))
     first = reports[0].config
     bars: list[tuple[str | int, str, str]] = [
-        ("two_forward", "two_forward", "0.55"), ("keep:every", "defaults (keep:every)", "C0")]
+        ("two_forward", option_text("two_forward"), "0.55"),
+        ("keep:every", option_text("keep:every"), "C0")]
     bars += [(size, f"largest keep_unsharded within {size / _GIB:.0f} GiB (named)", f"C{2 + i}")
              for i, size in enumerate(sizes)]
-    bars += [("regather:every", "keep_unsharded=False", "C1")]
+    bars += [("regather:every", option_text("regather:every"), "C1")]
     fig, axes = plt.subplots(len(worlds), 1, figsize=(WIDTH_IN, 4.2 * len(worlds) + 1.2),
                              squeeze=False, sharey=True, layout="constrained")
     width = 0.8 / len(bars)
@@ -384,7 +457,7 @@ def fit_table(reports: Sequence[Report], gpu_bytes: Sequence[int]) -> str:
         peaks = _peaks(report)
         cells = [f"{peaks[m] / _GIB:.1f}" if m in peaks else "" for m in modes]
         best = [best_fit(peaks, size) for size in sorted(gpu_bytes)]
-        lines.append(f"| {model_name(report.config)} | {report.config['world_size']} | "
+        lines.append(f"| {table_model_name(report.config)} | {report.config['world_size']} | "
                      + " | ".join(cells) + " | "
                      + " | ".join(f"`{b}`" if b else "none" for b in best) + " |")
     return "\n".join(lines) + "\n"

@@ -71,7 +71,8 @@ class ModeSpec:
     ``"accumulate"`` (two micro-batches of gradient accumulation, each in a
     block), ``"accumulate_gathered"`` (the same with the user's
     ``set_reshard_after_backward(False)``); ``short_what``: ``what`` in the plot's
-    legend.
+    legend; ``fsdp2_only``: the mode calls FSDP2's own methods, so on other backends
+    its row is not applicable (recorded as an expected ``ValueError``).
     """
 
     name: str
@@ -85,6 +86,16 @@ class ModeSpec:
     expected_crash: dict[str, str] = dataclasses.field(default_factory=dict)
     step: str | None = None
     short_what: str | None = None  # ``what`` in the plot's legend, if shorter
+    fsdp2_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fsdp2_only:
+            object.__setattr__(self, "expected_crash",
+                               {**_fsdp2_only(self.name), **self.expected_crash})
+
+    def applies_to(self, backend: str) -> bool:
+        """False for an FSDP2-only mode on another backend (its row is n/a there)."""
+        return not self.fsdp2_only or backend == "fsdp2"
 
 
 def _fsdp2_only(mode: str) -> dict[str, str]:
@@ -130,19 +141,19 @@ MODES: dict[str, ModeSpec] = {
                  "set_reshard_after_forward(False) and set_reshard_after_backward(False) on "
                  "every unit, both backwards, reshard() of every unit after the last",
                  sync_grads=("every", "last"), bound=_keep_bound,
-                 expected_crash=_fsdp2_only("fsdp2_recipe"), step="recipe",
+                 fsdp2_only=True, step="recipe",
                  short_what="FSDP2 alone (pytorch #172543)"),
         ModeSpec("accum", "two micro-batches of gradient accumulation (the step's batch "
                  "twice; gradient sync off for the first), each a block with "
                  "keep_unsharded=True and its two backwards; FSDP2 reshards after each",
                  block=dict(keep_unsharded=True), sync_grads=("every", "last"),
-                 bound=_accumulate_bound, expected_crash=_fsdp2_only("accum"),
+                 bound=_accumulate_bound, fsdp2_only=True,
                  step="accumulate", short_what="2 micro-batches"),
         ModeSpec("accum_gathered", "as accum, with the user's set_reshard_after_backward(False) "
                  "on every unit (parameters stay gathered across micro-batches) and the "
                  "user's reshard() of every unit after the last micro-batch",
                  block=dict(keep_unsharded=True), sync_grads=("every", "last"),
-                 bound=_accumulate_bound, expected_crash=_fsdp2_only("accum_gathered"),
+                 bound=_accumulate_bound, fsdp2_only=True,
                  step="accumulate_gathered",
                  short_what="2 micro-batches, the user's set_reshard_after_backward(False)"),
     )
@@ -184,6 +195,29 @@ def mode_legend(label: str, *, short: bool = False) -> str:
         text += ("; backward 1 a probe pass" if short
                  else "; backward 1 is a probe pass, block.backward(loss, param_grads=False)")
     return text
+
+
+# A mode as the README's cost table names it (scripts/docs_figures.py, COST_TABLES["readme"],
+# without its backticks): the option that differs from the defaults. The figures' legends
+# use these; other modes fall back to their options (``mode_legend(short=True)``).
+OPTION_TEXTS: dict[str, str] = {
+    "two_forward": "two forwards (baseline)",
+    "naive": "plain retain_graph=True (no library)",
+    "keep:every": "defaults",
+    "keep:last": 'sync_grads="last"',
+    "probe:every": "backward 1 a probe pass",
+    "check:every": "check_saved_tensors=True",
+    "regather:every": "keep_unsharded=False",
+    **{f"keep{pct}:every": f"keep_unsharded=<{pct}% of the bytes>" for pct in (25, 50, 75)},
+    "fsdp2_recipe:every": "FSDP2 alone, its recipe (pytorch #172543; no library)",
+    "fsdp2_recipe:last": "FSDP2 alone, its recipe, gradient sync off for backward 1",
+}
+
+
+def option_text(label: str) -> str:
+    """``keep:last`` -> ``sync_grads="last"``: the README's name for a mode (``OPTION_TEXTS``),
+    else its options."""
+    return OPTION_TEXTS.get(label) or mode_legend(label, short=True)
 
 
 def mode_labels() -> list[str]:
