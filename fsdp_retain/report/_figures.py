@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import textwrap
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 from ._modes import MODES, mode_legend, option_text
@@ -129,16 +128,6 @@ def model_name(cfg: dict[str, Any]) -> str:
         name = f"Qwen2.5-{cfg['size'].upper()}"
     else:
         name = f"{_family(cfg)} {cfg.get('size')}"
-    return f"{name} ({_params(cfg)})"
-
-
-def table_model_name(cfg: dict[str, Any]) -> str:
-    """``llama3_70b (70.6B)``: the ``--model-config`` file's name (a preset's as in
-    ``model_name``), as will_it_fit.md and the table docs/report/README.md embeds say."""
-    if not cfg.get("model_config"):
-        return model_name(cfg)
-    name = Path(cfg["model_config"]).stem
-    name = Path(cfg["model_config"]).parent.name if name == "config" else name
     return f"{name} ({_params(cfg)})"
 
 
@@ -457,7 +446,7 @@ def fit_table(reports: Sequence[Report], gpu_bytes: Sequence[int]) -> str:
         peaks = _peaks(report)
         cells = [f"{peaks[m] / _GIB:.1f}" if m in peaks else "" for m in modes]
         best = [best_fit(peaks, size) for size in sorted(gpu_bytes)]
-        lines.append(f"| {table_model_name(report.config)} | {report.config['world_size']} | "
+        lines.append(f"| {model_name(report.config)} | {report.config['world_size']} | "
                      + " | ".join(cells) + " | "
                      + " | ".join(f"`{b}`" if b else "none" for b in best) + " |")
     return "\n".join(lines) + "\n"
