@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO-3 parity grid and what goes wrong without the block (part of
 ``tests/cases_deepspeed.py``).
 
-The grid: 2 and 3 passes x keep_unsharded x sync_grads x backwards known or not x
-``engine.backward`` or ``loss.backward()``; then, per keep_unsharded x sync_grads,
+The grid: 2 and 3 passes, keep_unsharded, sync_grads, backwards known or not,
+``engine.backward`` or ``loss.backward()``, every 3 of them in each combination; then, per keep_unsharded x sync_grads,
 gradient accumulation, bf16, a probe pass first, resident parameters, the saved-tensor
 check, zero_grad between passes and a last pass that starts inside the model. Parity
 with an unsharded reference over 3 SGD-momentum steps, collectives by formula (see
@@ -28,6 +28,7 @@ from tests.cases_deepspeed_common import (
     run_parity,
     tokens,
 )
+from tests.case_parts import covering
 from tests.harness import Registry
 
 registry = Registry()
@@ -41,12 +42,9 @@ def _name(fields: dict) -> str:
     return "parity_" + "_".join(f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in fields.items())
 
 
-for passes, keep, sync, backwards, engine_backward in itertools.product(
-    (2, 3), (True, False), ("every", "last"), (False, True), (True, False)
-):
-    fields = dict(
-        passes=passes, keep=keep, sync=sync, backwards=backwards, engine_backward=engine_backward
-    )
+# Every 3 of the 5 options meet in each combination of their values (12 of the 32).
+for fields in covering(dict(passes=(2, 3), keep=(True, False), sync=("every", "last"),
+                            backwards=(False, True), engine_backward=(True, False)), strength=3):
     registry.add(_name(fields), _parity_case(**fields))
 
 for keep, sync in itertools.product((True, False), ("every", "last")):

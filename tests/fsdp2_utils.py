@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tests.parity import Adapter, device, world
 
@@ -19,14 +19,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fsdp_sharded(t: torch.Tensor) -> bool:
-    return (isinstance(t, DTensor) and t.device_mesh.ndim == 1
-            and tuple(t.placements) == (Shard(0),))
+    """FSDP2's layout: Shard(0) on the last mesh dim, replicated on the others (HSDP)."""
+    if not isinstance(t, DTensor):
+        return False
+    *outer, last = t.placements
+    return last == Shard(0) and all(p == Replicate() for p in outer)
 
 
 def _full_all(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``full_tensor()`` of each, with one all-gather per dtype for those FSDP2 shards on
-    dim 0 of one 1-D mesh (a per-tensor all-gather costs ~1 ms on gloo; the readers run
-    many)."""
+    """``full_tensor()`` of each, with one all-gather per dtype for FSDP2's shards of one
+    mesh (a per-tensor all-gather costs ~1 ms on gloo; the readers run many). The gather
+    uses c10d, not DTensor's functional collectives: those segfaulted on gloo with a 2 x 2
+    HSDP mesh on a loaded 2-core CI machine (torch 2.13.0)."""
     fast = [n for n, t in named.items() if _fsdp_sharded(t)]
     if len({id(named[n].device_mesh) for n in fast}) != 1:
         return {n: _full(t) for n, t in named.items()}
@@ -38,7 +42,7 @@ def _full_all(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _gather_dim0(items: list[tuple[str, DTensor]]) -> dict[str, torch.Tensor]:
     mesh = items[0][1].device_mesh
-    ws = mesh.size()
+    ws = mesh.size(mesh.ndim - 1)
     layout, pieces = [], []  # (name, shape, padded local numel, each rank's rows, row numel)
     for name, t in items:
         shape = tuple(t.shape)
@@ -51,7 +55,7 @@ def _gather_dim0(items: list[tuple[str, DTensor]]) -> dict[str, torch.Tensor]:
         layout.append((name, shape, padded, rows, inner))
     send = torch.cat(pieces)
     out = torch.empty(ws * send.numel(), dtype=send.dtype, device=send.device)
-    dist.all_gather_into_tensor(out, send, group=mesh.get_group())
+    dist.all_gather_into_tensor(out, send, group=mesh.get_group(mesh.ndim - 1))
     per_rank = out.view(ws, -1)
     result, offset = {}, 0
     for name, shape, padded, rows, inner in layout:

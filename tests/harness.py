@@ -1,10 +1,12 @@
 """Run many distributed test cases inside one multi-process launch (CPU, gloo).
 
 A cases module registers functions with ``@registry.case``; pytest launches
-all ranks once per module and world size (``launch``), every rank runs every
-case in order with a barrier after each, and each case becomes one pytest test
-that fails with every rank's traceback and output tail. When pytest selects
-some of the cases (``-k``, node ids, ``--deselect``), the launch runs only those.
+all ranks once per world size for every cases module of the session (``launch``:
+starting ranks costs seconds, importing torch and transformers in each), every
+rank runs every case in order with a barrier after each, and each case becomes
+one pytest test that fails with every rank's traceback and output tail. When
+pytest selects some of the cases (``-k``, node ids, ``--deselect``), the launch
+runs only those. A module that must not share its ranks passes ``isolated=True``.
 
 A test file is a docstring saying what its cases cover, then::
 
@@ -119,11 +121,30 @@ def launch(
 
     ``FSDP_RETAIN_TIMEOUT_SCALE`` (default 1) multiplies ``timeout``, for busy machines.
     """
+    if cases is None:
+        cases = importlib.import_module(module).registry.names(world_size)
+    result = launch_cases([(module, name) for name in cases], world_size, timeout=timeout,
+                          env=env)
+    prefix = f"{module}:"
+    result.per_rank = [{key.removeprefix(prefix): entry for key, entry in entries.items()}
+                       for entries in result.per_rank]
+    return result
+
+
+def launch_cases(
+    cases: list[tuple[str, str]],
+    world_size: int = 2,
+    *,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+) -> LaunchResult:
+    """Spawns ``world_size`` ranks that run ``cases`` ((module, case) pairs, in order,
+    from any number of cases modules); the results are keyed ``"module:case"``."""
     timeout *= timeout_scale()
-    mod = importlib.import_module(module)
-    names = cases if cases is not None else mod.registry.names(world_size)
     workdir = Path(tempfile.mkdtemp(prefix="fsdp_retain_launch_"))
     port = _free_port()
+    cases_file = workdir / "cases.txt"  # a file: a whole suite's names pass 128 KiB
+    cases_file.write_text("".join(f"{module}:{name}\n" for module, name in cases))
     procs, logs = [], []
     for rank in range(world_size):
         rank_env = dict(os.environ)
@@ -147,12 +168,10 @@ def launch(
             sys.executable,
             "-m",
             "tests.harness",
-            "--module",
-            module,
             "--out",
             str(workdir),
             "--cases",
-            ",".join(names),
+            str(cases_file),
         ]
         procs.append(
             subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=log, stderr=log)
@@ -210,16 +229,18 @@ def check_case(result: LaunchResult, name: str) -> None:
 
 
 def case_tests(
-    namespace: dict, module: str, launches: dict[str, tuple[int, float]]
+    namespace: dict, module: str, launches: dict[str, tuple[int, float]],
+    *, isolated: bool = False,
 ) -> None:
     """Defines the tests of a cases module in a test file's ``namespace`` (its ``globals()``).
 
     For each ``test_name: (world_size, timeout)`` in ``launches``: ``test_name``,
     parametrized over the cases of ``module`` for that world size (ids
-    ``test_name[case]``), each checking one case; and a session-scoped fixture that
-    launches them once, on ``world_size`` ranks within ``timeout`` seconds. The launch
-    runs the cases that pytest selected: all of them in a full run, one for
-    ``pytest tests/test_fsdp2.py -k some_case``.
+    ``test_name[case]``), each checking one case. The selected cases run in the
+    session's one launch for ``world_size`` (every cases module's, one after another;
+    ``timeout`` seconds added to its limit), or in a launch of their own with
+    ``isolated=True``. A launch runs the cases that pytest selected: all of them in a
+    full run, one for ``pytest tests/test_fsdp2.py -k some_case``.
 
     Example::
 
@@ -229,41 +250,65 @@ def case_tests(
         })
     """
     for test_name, (world_size, timeout) in launches.items():
-        _define_case_test(namespace, module, test_name, world_size, timeout)
+        spec = _LaunchSpec(module, world_size, timeout, isolated)
+        _define_case_test(namespace, test_name, spec)
 
 
-def _define_case_test(namespace: dict, module: str, test_name: str, world_size: int,
-                      timeout: float) -> None:
+@dataclasses.dataclass(frozen=True)
+class _LaunchSpec:
+    module: str
+    world_size: int
+    timeout: float
+    isolated: bool
+
+    def group(self) -> tuple:
+        """Tests with the same group share one launch."""
+        return (self.module if self.isolated else "shared", self.world_size)
+
+
+# One launch per group and pytest session, made when the group's first test runs.
+_LAUNCHED: dict[tuple, LaunchResult] = {}
+_SHARED_TIMEOUT_CAP = 2400.0  # seconds (before FSDP_RETAIN_TIMEOUT_SCALE), a hang's cost
+
+
+def _launch_group(session, spec: _LaunchSpec) -> LaunchResult:
+    key = (id(session), *spec.group())
+    if key not in _LAUNCHED:
+        # The items left once collection is done (-k, node ids, --deselect, --lf), each
+        # module's cases in its registry's order, modules in the order pytest met them.
+        selected: dict[str, set[str]] = {}
+        timeouts: dict[str, float] = {}
+        for item in session.items:
+            other = getattr(getattr(item, "function", None), "harness_spec", None)
+            if other is None or other.group() != spec.group():
+                continue
+            selected.setdefault(other.module, set()).add(item.callspec.params["name"])
+            timeouts[other.module] = other.timeout
+        cases = [(module, name) for module, names in selected.items()
+                 for name in importlib.import_module(module).registry.names(spec.world_size)
+                 if name in names]
+        timeout = min(sum(timeouts.values()), max(_SHARED_TIMEOUT_CAP, *timeouts.values()))
+        _LAUNCHED[key] = launch_cases(cases, spec.world_size, timeout=timeout)
+    return _LAUNCHED[key]
+
+
+def _define_case_test(namespace: dict, test_name: str, spec: _LaunchSpec) -> None:
     import pytest  # here, not at the top: the ranks import this module too
 
-    names = importlib.import_module(module).registry.names(world_size)
-    fixture_name = f"_{test_name}_launch"
-
-    # Session scope: one launch however pytest orders the items (node ids from several
-    # files interleaved, as tests/matrix_subset.txt lists them, would relaunch a
-    # module-scoped fixture each time its module comes back).
-    @pytest.fixture(scope="session", name=fixture_name)
-    def launched(request) -> LaunchResult:
-        # The items left once collection is done (-k, node ids, --deselect, --lf):
-        # launch their cases only, in the registry's order; all of them as cases=None.
-        selected = {item.callspec.params["name"] for item in request.session.items
-                    if getattr(item, "function", None) is test}
-        cases = [name for name in names if name in selected]
-        return launch(module, world_size, timeout=timeout,
-                      cases=None if len(cases) == len(names) else cases)
+    names = importlib.import_module(spec.module).registry.names(spec.world_size)
 
     @pytest.mark.parametrize("name", names)
     def test(request, name: str) -> None:
-        check_case(request.getfixturevalue(fixture_name), name)
+        check_case(_launch_group(request.session, spec), f"{spec.module}:{name}")
 
     test.__name__ = test.__qualname__ = test_name
-    test.harness_launch = (module, world_size)  # scripts/select_subset.py maps cases to tests
+    test.harness_spec = spec
+    test.harness_launch = (spec.module, spec.world_size)  # for scripts/select_subset.py
     test.__module__ = namespace["__name__"]
-    namespace[fixture_name] = launched
     namespace[test_name] = test
 
 
-def _worker(module: str, out: Path, names: list[str]) -> int:
+def _worker(out: Path, cases: list[tuple[str, str]]) -> int:
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
@@ -277,28 +322,29 @@ def _worker(module: str, out: Path, names: list[str]) -> int:
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
-    measure = _Measure(module, rank, dist.get_world_size())
-    mod = importlib.import_module(module)
+    measure = _Measure(rank, dist.get_world_size())
     results: dict[str, dict] = {}
     path = out / f"results_rank{rank}.json"
-    for name in names:
-        case = mod.registry.cases[name]
-        measure.case(name)
+    for module, name in cases:
+        key = f"{module}:{name}"
+        measure.case(module, name)
         start = time.perf_counter()
-        print(f"[rank {rank}] case {name} ...", flush=True)
+        print(f"[rank {rank}] case {key} ...", flush=True)
         try:
+            case = importlib.import_module(module).registry.cases[name]
             case.fn()
-            results[name] = {"ok": True, "error": None}
+            results[key] = {"ok": True, "error": None}
         except BaseException:  # noqa: BLE001 - report everything, keep going
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-            print(results[name]["error"], flush=True)
-        results[name]["seconds"] = round(time.perf_counter() - start, 3)
-        measure.record(name, results[name]["seconds"])
+            results[key] = {"ok": False, "error": traceback.format_exc()}
+            print(results[key]["error"], flush=True)
+        results[key]["seconds"] = round(time.perf_counter() - start, 3)
+        measure.record(module, name, results[key]["seconds"])
         path.write_text(json.dumps(results))
         try:
             dist.barrier()
         except Exception:  # noqa: BLE001 - a peer failed; stop here
-            print(f"[rank {rank}] barrier after {name} failed:\n{traceback.format_exc()}", flush=True)
+            print(f"[rank {rank}] barrier after {key} failed:\n{traceback.format_exc()}",
+                  flush=True)
             return 1
     measure.stop()
     dist.destroy_process_group()
@@ -312,8 +358,8 @@ class _Measure:
     context per case). Both unset: nothing.
     """
 
-    def __init__(self, module: str, rank: int, world_size: int) -> None:
-        self.prefix = f"{module}:ws{world_size}:"
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.world_size = world_size
         self.times = os.environ.get("FSDP_RETAIN_CASE_TIMES") if rank == 0 else None
         self.cov = None
         cov_dir = os.environ.get("FSDP_RETAIN_COVERAGE")
@@ -326,14 +372,18 @@ class _Measure:
             )
             self.cov.start()
 
-    def case(self, name: str) -> None:
-        if self.cov is not None:
-            self.cov.switch_context(self.prefix + name)
+    def _label(self, module: str, name: str) -> str:
+        return f"{module}:ws{self.world_size}:{name}"
 
-    def record(self, name: str, seconds: float) -> None:
+    def case(self, module: str, name: str) -> None:
+        if self.cov is not None:
+            self.cov.switch_context(self._label(module, name))
+
+    def record(self, module: str, name: str, seconds: float) -> None:
         if self.times:
             with open(self.times, "a") as f:
-                f.write(json.dumps({"case": self.prefix + name, "seconds": seconds}) + "\n")
+                f.write(json.dumps({"case": self._label(module, name), "seconds": seconds})
+                        + "\n")
 
     def stop(self) -> None:
         if self.cov is not None:
@@ -343,15 +393,15 @@ class _Measure:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--module", required=True)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--cases", required=True)
+    parser.add_argument("--cases", required=True, type=Path, help="a file: module:case lines")
     args = parser.parse_args()
     # A crashing rank, or one the launch times out (SIGUSR1), leaves its Python
     # stack in its log.
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    return _worker(args.module, args.out, [n for n in args.cases.split(",") if n])
+    cases = [tuple(c.rsplit(":", 1)) for c in args.cases.read_text().split()]
+    return _worker(args.out, cases)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

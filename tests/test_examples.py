@@ -63,12 +63,14 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 import torch
 import torch.nn as nn
 
-from tests.harness import ROOT, run_retrying_exit_abort, timeout_scale
+from tests.harness import EXIT_ABORT, ROOT, run_retrying_exit_abort, timeout_scale
 
 EXAMPLES = ROOT / "examples"
 COUNT_BLOCKS = str(ROOT / "tests" / "count_blocks.py")
@@ -82,7 +84,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _env(env: dict[str, str] | None) -> dict[str, str]:
     full_env = dict(os.environ)
     full_env.update(
         CUDA_VISIBLE_DEVICES="",
@@ -91,15 +93,66 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
         PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
     )
     full_env.update(env or {})
-    return run_retrying_exit_abort(args, cwd=ROOT, env=full_env, timeout=TIMEOUT)
+    return full_env
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_retrying_exit_abort(args, cwd=ROOT, env=_env(env), timeout=TIMEOUT)
 
 
 def _torchrun(script: str, *script_args: str, count_blocks: bool = True,
-              env: dict[str, str] | None = None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-    cmd += [COUNT_BLOCKS] if count_blocks else []
-    return _run(cmd + [str(EXAMPLES / script), *script_args], env)
+              env: dict[str, str] | None = None, via_torchrun: bool = False):
+    """The example on 2 ranks: started as torchrun starts them (its environment
+    variables; a rank that fails stops the other), without torchrun's own process,
+    which costs ~2 s a launch; ``via_torchrun`` for the README's command itself."""
+    program = ([COUNT_BLOCKS] if count_blocks else []) + [str(EXAMPLES / script), *script_args]
+    if via_torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+        return _run(cmd + program, env)
+    for _ in range(2):
+        proc = _spawn_ranks([sys.executable, *program], env)
+        if proc.returncode == 0 or EXIT_ABORT not in proc.stdout + proc.stderr:
+            break
+    return proc
+
+
+def _spawn_ranks(cmd: list[str], env: dict[str, str] | None,
+                 world_size: int = 2) -> subprocess.CompletedProcess:
+    """``cmd`` on ``world_size`` ranks; stdout and stderr are rank 0's then rank 1's."""
+    port = str(_free_port())
+    procs, outs = [], []
+    for rank in range(world_size):
+        rank_env = dict(env or {}, RANK=str(rank), LOCAL_RANK=str(rank),
+                        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        out = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        outs.append(out)
+        procs.append(_popen(cmd, rank_env, *out))
+    deadline = time.monotonic() + TIMEOUT
+    failed_at = None
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 10:
+            break  # as torchrun does: a failed rank stops the others
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    texts = []
+    for out, err in outs:
+        out.seek(0)
+        err.seek(0)
+        texts.append((out.read(), err.read()))
+    code = next((p.returncode for p in procs if p.returncode != 0), 0)
+    return subprocess.CompletedProcess(cmd, code, "".join(t[0] for t in texts),
+                                       "".join(t[1] for t in texts))
+
+
+def _popen(cmd: list[str], env: dict[str, str], stdout, stderr) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=stdout, stderr=stderr, text=True)
 
 
 def _accelerate(config: str, *script: str, env: dict[str, str] | None = None):
@@ -139,7 +192,7 @@ def test_quickstart(fsdp):
     """quickstart.py --fsdp {2,1} (4 blocks + root), 2 CPU ranks: retain way == two-forward way."""
     steps, units = 6, 4 + 1
     args = ["--fsdp", str(fsdp), "--steps", str(steps), "--warmup", "1"]
-    out = _check_ok(_torchrun("quickstart.py", *args))
+    out = _check_ok(_torchrun("quickstart.py", *args, via_torchrun=True))
     assert f"FSDP{fsdp}, 2 ranks, cpu" in out
     assert _number(r"max \|param difference\| vs two-forward: (\S+)", out) <= 1e-4
     assert _number(r"grad norm: (\S+)", out) <= 1e-4
@@ -199,7 +252,7 @@ def test_missing_package_named_up_front(tmp_path, script, args, hidden, install)
     if script == "lightning_manual.py":  # Lightning starts its ranks itself
         proc = _run([sys.executable, str(EXAMPLES / script), *args], env)
     else:
-        proc = _torchrun(script, *args, count_blocks=False, env=env)
+        proc = _torchrun(script, *args, count_blocks=False, env=env, via_torchrun=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     why = f"examples/{script}" + (" --method upgrad" if args[:1] == ["--method"] else "")
@@ -386,12 +439,13 @@ def test_chunked_ce_keep_unsharded(keep):
     assert _steps(out) == [expected] * steps
 
 
-@pytest.mark.parametrize("norms", [False, True], ids=["sum", "head_norms"])
-@pytest.mark.parametrize("fsdp", [2, 1])
+@pytest.mark.parametrize("fsdp, norms", [(2, False), (1, True)], ids=["2-sum", "1-head_norms"])
 def test_mtp_heads(fsdp, norms):
-    """mtp_heads.py --fsdp {2,1} --heads 3 (3 blocks + 3 heads + root), 2 CPU ranks, with
+    """mtp_heads.py --fsdp 2 --heads 3 (3 blocks + 3 heads + root), 2 CPU ranks, with
     the block: sync_grads="last", backwards=3 (the trunk gathered and reduced once per
-    step), or --head-norms (block.grads per head, each head's gradient norm)."""
+    step); --fsdp 1 --head-norms (block.grads per head, each head's gradient norm).
+    The other two pairs: tests/cases_loss_grads.py (block.grads on FSDP2) and the
+    sync_grads="last" grids of tests/cases_fsdp1_parity.py."""
     steps, layers, heads = 3, 3, 3
     units = layers + heads + 1
     args = ["--fsdp", str(fsdp), "--heads", str(heads), "--steps", str(steps)]
@@ -482,8 +536,9 @@ def test_gradient_projector_matches_per_sequence_gradients():
             torch.testing.assert_close(got[index][seq], expected, rtol=1e-4, atol=1e-6)
 
 
-LIGHTNING = [("trainer", 1, "lightning"), ("trainer", 1, "user"), ("trainer", 2, "user"),
-             ("fabric", 1, "user"), ("fabric", 2, "user")]
+# Each pair of (api, fsdp, wrap) values meets once.
+LIGHTNING = [("trainer", 1, "lightning"), ("trainer", 2, "user"), ("fabric", 1, "user"),
+             ("fabric", 2, "user")]
 
 
 def _lightning(api: str, fsdp: int, wrap: str, *extra: str) -> subprocess.CompletedProcess:
