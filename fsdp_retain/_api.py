@@ -12,7 +12,7 @@ import torch.nn as nn
 from ._common import ACTIVE_ATTR, first_wrapped_submodule
 from ._lifecycle import BlockBase
 from ._loss_grads import LossGrads
-from ._policy import RetainOptions
+from ._policy import RetainOptions, reshard_to_refusal
 from ._stack import ddp_fix, not_wrapped_fix, wrapper_fix
 
 SyncGrads = Literal["every", "last"]
@@ -100,6 +100,8 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
         _check_not_active(model)
         from ._deepspeed import DeepSpeedBlock
 
+        if options.reshard_to is not None:
+            raise reshard_to_refusal(options.reshard_to, "DeepSpeed ZeRO-3")
         return DeepSpeedBlock(model, options)
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -133,6 +135,8 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
         return FSDP2Block(model, options)
     from ._fsdp1 import FSDP1Block
 
+    if options.reshard_to is not None:
+        raise reshard_to_refusal(options.reshard_to, "FSDP1")
     return FSDP1Block(model, options)
 
 
@@ -183,6 +187,7 @@ def no_reshard_between_backwards(
     sync_grads: SyncGrads = "every",
     backwards: int | None = None,
     check_saved_tensors: bool = False,
+    reshard_to: int | None = None,
 ) -> Iterator[RetainBlock]:
     """Run one forward and several backward passes over its retained graph under FSDP.
 
@@ -284,6 +289,7 @@ def no_reshard_between_backwards(
         sync_grads=sync_grads,
         backwards=backwards,
         check_saved_tensors=check_saved_tensors,
+        reshard_to=reshard_to,
     )
     block = _make_block(model, options)
     block.enter()

@@ -1,0 +1,26 @@
+"""``reshard_to`` (FSDP2, CPU/gloo, world size 4, groups of 2; tests/cases_reshard_to.py):
+parity with an unsharded reference over 3 SGD-momentum steps of 3 passes for
+``keep_unsharded`` False and a byte budget, ``sync_grads`` "every" and "last", an
+announced ``backwards``, a probe pass, and models built with ``reshard_after_forward=2``
+(the default between passes, no option); FSDP2's all-gathers counted per process-group
+size and phase (none over all ranks after pass 1, one per resharded unit per later pass
+inside the group); the refusals (a group size that does not divide the mesh, FSDP1)."""
+
+import pytest
+
+from fsdp_retain._policy import RetainOptions
+from tests.harness import case_tests
+
+case_tests(globals(), "tests.cases_reshard_to", {"test_reshard_to": (4, 240)})
+
+
+@pytest.mark.parametrize("bad", [0, 1, -2, True, 2.5, "8"])
+def test_reshard_to_validated(bad):
+    with pytest.raises(ValueError, match="reshard_to must be an int >= 2"):
+        RetainOptions(keep_unsharded=False, reshard_to=bad)
+
+
+def test_reshard_to_without_effect_warns():
+    with pytest.warns(UserWarning, match="has no effect with keep_unsharded=True"):
+        RetainOptions(reshard_to=8)
+    RetainOptions(keep_unsharded=0, reshard_to=8)  # a budget: no warning
