@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from fsdp_retain import no_reshard_between_backwards
-from fsdp_retain._fsdp2_compat import unsharded_bytes
 from fsdp_retain._fsdp2_inspect import fsdp2_all_sharded, fsdp2_param_groups
 from tests import fsdp2_utils as f2
 from tests.harness import Registry
@@ -123,7 +122,8 @@ def _step(model, opt, x, scenario: Scenario, log: GatherLog, probe: bool, raf):
 
 def _budget(model) -> int:
     """Half the unsharded bytes of all units: keeps some, reshards the others."""
-    return sum(unsharded_bytes(g) for g in fsdp2_param_groups(model)) // 2
+    return sum(fp._orig_size.numel() * fp.sharded_param.element_size()
+               for g in fsdp2_param_groups(model) for fp in g.fsdp_params) // 2
 
 
 def _parity(keep, sync="every", raf=True, reshard_to=GROUP, backwards=False, probe=False):
@@ -135,8 +135,9 @@ def _parity(keep, sync="every", raf=True, reshard_to=GROUP, backwards=False, pro
             keep_unsharded=_budget(model) if keep == "budget" else keep,
             sync_grads=sync,
             backwards=PASSES if backwards else None,
-            reshard_to=reshard_to,
         )
+        if reshard_to is not None:
+            options["reshard_to"] = reshard_to
         scenario = Scenario(passes=PASSES, steps=STEPS, options=options,
                             check_between=sync == "every" and not probe)
         opt, ref_opt = sgd(model), sgd(ref)
