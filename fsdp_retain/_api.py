@@ -236,6 +236,15 @@ def no_reshard_between_backwards(
             saved inside a non-reentrant activation-checkpointed region are
             not seen (they are recomputed per pass). Costs about 1.1x step
             time; use it to validate a setup.
+        reshard_to: FSDP2 only. Between passes, each unit not kept unsharded
+            (``keep_unsharded=False`` or a budget) is resharded to groups of
+            this many ranks (e.g. the GPUs of one node) instead of every rank
+            of its mesh, as ``fully_shard(..., reshard_after_forward=<int>)``
+            does after forward, so later passes all-gather inside the group
+            only (memory: 1/N of those units' unsharded parameters). ``None``:
+            every rank, or the group size the model was built with
+            (``reshard_after_forward=<int>``). Must divide the ranks each
+            parameter is sharded over. Reduce-scatters are unchanged.
 
     Yields:
         A ``RetainBlock``: ``block.backward_passes`` (passes seen so far, probe

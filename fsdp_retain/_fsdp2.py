@@ -22,6 +22,10 @@ What the block does to FSDP2, per FSDP parameter group (one per unit):
 - A byte budget (``keep_unsharded=<int>``): ``Policy.kept`` in ``_policy.py``
   picks the groups; kept groups get the ``True`` flags, the others the
   ``False`` ones (their re-gathers prefetched from the replayed order).
+- ``reshard_to`` (or a model built with ``reshard_after_forward=<int>``): the
+  groups not kept are resharded to groups of ranks between passes, see
+  [Note: resharding to groups of ranks between passes] in ``_fsdp2_reshard.py``,
+  which also sets the flags above.
 - ``sync_grads="last"``: ``reduce_grads=False`` until the last pass (or the
   block exit), so unsharded gradients accumulate and are reduce-scattered once.
 - Probe passes (see [Note: probe passes] in ``_common.py``): ``reduce_grads``

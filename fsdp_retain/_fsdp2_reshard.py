@@ -138,8 +138,12 @@ class BetweenPasses:
         loose = [g for g in groups if id(g) not in kept]
         built = {_built_with(g) for g in groups} - {None}
         default = built.pop() if len(built) == 1 else None
+        # Group meshes already made (FSDP2's own, earlier blocks'): one per mesh and size.
         known = {(id(g.mesh_info.mesh), _built_with(g)): g.post_forward_mesh_info
                  for g in groups if _built_with(g) is not None}
+        for group in groups:
+            for ranks, info in group.__dict__.get(_MESHES_ATTR, {}).items():
+                known.setdefault((id(group.mesh_info.mesh), ranks), info)
         for group in loose:
             ranks = policy.between_passes_ranks(_built_with(group) or default)
             if ranks is None:

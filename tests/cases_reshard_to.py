@@ -92,6 +92,31 @@ def _expected(model, block, raf) -> Counter:
     return expected
 
 
+def _check_between_passes(model, block) -> None:
+    """Each loose unit holds 1/GROUP of its padded unsharded parameters (FSDP2's
+    post-forward state), and the modules show the sharded parameters."""
+    for group in fsdp2_param_groups(model):
+        if id(group) in block._kept:
+            continue
+        assert group.is_sharded_post_forward, f"{group._module_fqn}: {group._sharded_state}"
+        for fp in group.fsdp_params:
+            held = fp._sharded_post_forward_param_data.numel()
+            assert held * GROUP == fp.padded_sharded_param_size.numel() * 4, (held, fp._param_fqn)
+            info = fp._module_info
+            assert getattr(info.module, info.param_name) is fp.sharded_param, fp._param_fqn
+
+
+def _owner_state(model) -> list:
+    """What the block must leave as it found it, per group and parameter."""
+    return [
+        (g.post_forward_mesh_info, "reshard" in g.__dict__, str(g._sharded_state))
+        + tuple((fp.post_forward_mesh_info, getattr(fp, "sharded_post_forward_size", None),
+                 getattr(fp, "_sharded_post_forward_param_data", None) is None)
+                for fp in g.fsdp_params)
+        for g in fsdp2_param_groups(model)
+    ]
+
+
 def _step(model, opt, x, scenario: Scenario, log: GatherLog, probe: bool, raf):
     """One step: returns losses, the gradients after each pass, and the expected
     all-gathers (read from the block)."""
@@ -110,6 +135,8 @@ def _step(model, opt, x, scenario: Scenario, log: GatherLog, probe: bool, raf):
                 loss.backward(retain_graph=i < scenario.passes - 1)
             log.phase = None
             losses.append(loss.detach())
+            if i < scenario.passes - 1:
+                _check_between_passes(model, block)
             if scenario.check_between and i < scenario.passes - 1:
                 grads.append(f2.full_grads(model))
         expected = _expected(model, block, raf)
@@ -126,7 +153,8 @@ def _budget(model) -> int:
                for g in fsdp2_param_groups(model) for fp in g.fsdp_params) // 2
 
 
-def _parity(keep, sync="every", raf=True, reshard_to=GROUP, backwards=False, probe=False):
+def _parity(keep, sync="every", raf=True, reshard_to=GROUP, backwards=False, probe=False,
+            zero_between=False):
     def run() -> None:
         model = make_net(depth=3)
         ref = reference_copy(model)
@@ -139,6 +167,7 @@ def _parity(keep, sync="every", raf=True, reshard_to=GROUP, backwards=False, pro
         if reshard_to is not None:
             options["reshard_to"] = reshard_to
         scenario = Scenario(passes=PASSES, steps=STEPS, options=options,
+                            zero_between=zero_between,
                             check_between=sync == "every" and not probe)
         opt, ref_opt = sgd(model), sgd(ref)
         log = GatherLog()
@@ -191,6 +220,7 @@ def _probe_reference(ref, opt, x):
 
 for _name, _case in {
     "regather_every": _parity(False),
+    "regather_every_zero_between": _parity(False, zero_between=True),
     "regather_last": _parity(False, sync="last"),
     "regather_every_backwards": _parity(False, backwards=True),
     "budget_every": _parity("budget"),
@@ -211,6 +241,27 @@ def keep_all_is_unchanged() -> None:
         warnings.simplefilter("always")
         _parity_keep()
     assert any("has no effect with keep_unsharded=True" in str(w.message) for w in seen)
+
+
+@registry.case(world_sizes=WS)
+def exception_between_passes_restores() -> None:
+    """An exception after pass 1 (units on their group mesh): the block leaves FSDP2 as it
+    found it (no collectives), and the next step is right (parity, counts)."""
+    for raf in (True, GROUP):
+        model = f2.wrap(make_net(depth=2), reshard_after_forward=raf)
+        model(batch(0)).sum().backward()  # lazy init; FSDP2's own state after a step
+        model.zero_grad()
+        before = _owner_state(model)
+        with pytest.raises(KeyError, match="boom"):
+            with no_reshard_between_backwards(model, keep_unsharded=False, reshard_to=GROUP):
+                out = model(batch(0))
+                out.pow(2).mean().backward(retain_graph=True)
+                assert any(g.is_sharded_post_forward for g in fsdp2_param_groups(model))
+                raise KeyError("boom")
+        assert fsdp2_all_sharded(model)
+        assert _owner_state(model) == before, "the block changed FSDP2's state"
+        model.zero_grad()
+    _parity(False)()
 
 
 @registry.case(world_sizes=WS)

@@ -24,3 +24,17 @@ def test_reshard_to_without_effect_warns():
     with pytest.warns(UserWarning, match="has no effect with keep_unsharded=True"):
         RetainOptions(reshard_to=8)
     RetainOptions(keep_unsharded=0, reshard_to=8)  # a budget: no warning
+
+
+def test_policy_between_passes_ranks():
+    from fsdp_retain._policy import Policy
+
+    def ranks(reshard_to, built_with):
+        options = RetainOptions(keep_unsharded=False, reshard_to=reshard_to)
+        return Policy(options).between_passes_ranks(built_with)
+
+    assert ranks(None, None) is None  # every rank of the mesh, as before
+    assert ranks(None, 2) == 2  # reshard_after_forward=2: its groups by default
+    assert ranks(8, None) == 8
+    assert ranks(8, 2) == 8  # the option wins
+    assert Policy.regroups(freeing=False) and not Policy.regroups(freeing=True)
