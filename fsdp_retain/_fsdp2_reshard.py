@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ._common import require_attrs
+from ._common import require_attrs, warn_once
 from ._fsdp2_compat import FLAVOUR, post_forward_mesh_info, training_state_enum
 from ._policy import Policy
 
@@ -161,9 +161,9 @@ class BetweenPasses:
 def _built_with(group: Any) -> int | None:
     """The ranks FSDP2 reshards ``group`` to after forward when fewer than its mesh's
     (``reshard_after_forward=<int>``), else ``None``."""
-    own, mesh = group.post_forward_mesh_info, group.mesh_info
-    size = getattr(own, "shard_mesh_size", None)
-    return size if size is not None and size != mesh.shard_mesh_size else None
+    size = getattr(group.post_forward_mesh_info, "shard_mesh_size", None)
+    whole = getattr(group.mesh_info, "shard_mesh_size", None)
+    return size if size is not None and size != whole else None
 
 
 def _between_mesh(group: Any, ranks: int, known: dict, asked: int | None) -> _Mesh | None:
@@ -171,8 +171,11 @@ def _between_mesh(group: Any, ranks: int, known: dict, asked: int | None) -> _Me
     when ``ranks`` is its whole shard group. Raises where FSDP2 cannot reshard there."""
     shard = getattr(group.mesh_info, "shard_mesh_size", None)
     if shard is None or ranks == shard:
+        if shard is not None and asked is not None:
+            warn_once(f"no_reshard_between_backwards(reshard_to={asked}) has no effect: "
+                      f"FSDP2 shards each parameter over {shard} ranks already.")
         return None  # replicated (nothing sharded), or every rank: a plain reshard
-    if shard % ranks or ranks > shard:
+    if shard % ranks:
         raise ValueError(
             f"no_reshard_between_backwards(reshard_to={asked}): {ranks} does not divide "
             f"the {shard} ranks FSDP2 shards each parameter over (its mesh's shard "

@@ -38,3 +38,30 @@ def test_policy_between_passes_ranks():
     assert ranks(8, None) == 8
     assert ranks(8, 2) == 8  # the option wins
     assert Policy.regroups(freeing=False) and not Policy.regroups(freeing=True)
+
+
+@pytest.mark.parametrize("backend", ["FSDP1", "DeepSpeed ZeRO-3"])
+def test_refusal_names_fsdp2(backend):
+    from fsdp_retain._policy import reshard_to_refusal
+
+    message = str(reshard_to_refusal(8, backend))
+    assert f"reshard_to=8) needs FSDP2 (fully_shard), got a {backend} model" in message
+    assert "fully_shard(...)" in message
+
+
+def test_deepspeed_engine_refused(monkeypatch):
+    """A ZeRO-3 engine (a stand-in class: DeepSpeed itself is not run here) is refused
+    before the block touches it."""
+    import sys
+    import types
+
+    from fsdp_retain import no_reshard_between_backwards
+
+    engine_module = types.ModuleType("deepspeed.runtime.engine")
+    engine_module.DeepSpeedEngine = type("DeepSpeedEngine", (), {})  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    monkeypatch.setitem(sys.modules, "deepspeed.runtime.engine", engine_module)
+    with pytest.raises(ValueError, match="got a DeepSpeed ZeRO-3 model.*zero_hpz_partition_size"):
+        with no_reshard_between_backwards(engine_module.DeepSpeedEngine(), keep_unsharded=False,
+                                          reshard_to=8):
+            pass
