@@ -12,7 +12,7 @@ import torch.nn as nn
 from ._common import ACTIVE_ATTR, first_wrapped_submodule
 from ._lifecycle import BlockBase
 from ._loss_grads import LossGrads
-from ._policy import RetainOptions
+from ._policy import RetainOptions, reshard_to_refusal
 from ._stack import ddp_fix, not_wrapped_fix, wrapper_fix
 
 SyncGrads = Literal["every", "last"]
@@ -100,6 +100,8 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
         _check_not_active(model)
         from ._deepspeed import DeepSpeedBlock
 
+        if options.reshard_to is not None:
+            raise reshard_to_refusal(options.reshard_to, "DeepSpeed ZeRO-3")
         return DeepSpeedBlock(model, options)
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -133,6 +135,8 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
         return FSDP2Block(model, options)
     from ._fsdp1 import FSDP1Block
 
+    if options.reshard_to is not None:
+        raise reshard_to_refusal(options.reshard_to, "FSDP1")
     return FSDP1Block(model, options)
 
 
@@ -183,6 +187,7 @@ def no_reshard_between_backwards(
     sync_grads: SyncGrads = "every",
     backwards: int | None = None,
     check_saved_tensors: bool = False,
+    reshard_to: int | None = None,
 ) -> Iterator[RetainBlock]:
     """Run one forward and several backward passes over its retained graph under FSDP.
 
@@ -231,6 +236,15 @@ def no_reshard_between_backwards(
             saved inside a non-reentrant activation-checkpointed region are
             not seen (they are recomputed per pass). Costs about 1.1x step
             time; use it to validate a setup.
+        reshard_to: FSDP2 only. Between passes, each unit not kept unsharded
+            (``keep_unsharded=False`` or a budget) is resharded to groups of
+            this many ranks (e.g. the GPUs of one node) instead of every rank
+            of its mesh, as ``fully_shard(..., reshard_after_forward=<int>)``
+            does after forward, so later passes all-gather inside the group
+            only (memory: 1/N of those units' unsharded parameters). ``None``:
+            every rank, or the group size the model was built with
+            (``reshard_after_forward=<int>``). Must divide the ranks each
+            parameter is sharded over. Reduce-scatters are unchanged.
 
     Yields:
         A ``RetainBlock``: ``block.backward_passes`` (passes seen so far, probe
@@ -284,6 +298,7 @@ def no_reshard_between_backwards(
         sync_grads=sync_grads,
         backwards=backwards,
         check_saved_tensors=check_saved_tensors,
+        reshard_to=reshard_to,
     )
     block = _make_block(model, options)
     block.enter()

@@ -22,6 +22,10 @@ What the block does to FSDP2, per FSDP parameter group (one per unit):
 - A byte budget (``keep_unsharded=<int>``): ``Policy.kept`` in ``_policy.py``
   picks the groups; kept groups get the ``True`` flags, the others the
   ``False`` ones (their re-gathers prefetched from the replayed order).
+- ``reshard_to`` (or a model built with ``reshard_after_forward=<int>``): the
+  groups not kept are resharded to groups of ranks between passes, see
+  [Note: resharding to groups of ranks between passes] in ``_fsdp2_reshard.py``,
+  which also sets the flags above.
 - ``sync_grads="last"``: ``reduce_grads=False`` until the last pass (or the
   block exit), so unsharded gradients accumulate and are reduce-scattered once.
 - Probe passes (see [Note: probe passes] in ``_common.py``): ``reduce_grads``
@@ -68,6 +72,7 @@ from ._fsdp2_compat import (
 )
 from ._fsdp2_grads import HeldGrads, fsdp2_layout
 from ._fsdp2_nodes import ForwardNodes
+from ._fsdp2_reshard import BetweenPasses
 from ._lifecycle import BlockBase
 from ._loss_grads import GradSlots
 from ._policy import RetainOptions
@@ -105,6 +110,7 @@ class FSDP2Block(BlockBase):
         self._nodes = ForwardNodes()  # which states a pass uses: see _fsdp2_nodes
         self._kept: set[int] = set()  # ids of the groups kept unsharded between passes
         self._leaves: dict[int, Any] | None = None  # see _graph_inputs
+        self._between = BetweenPasses()  # the flags, reshard_to: see _fsdp2_reshard
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -126,18 +132,9 @@ class FSDP2Block(BlockBase):
             saved = {name: getattr(group, name) for name in GROUP_FLAGS}
             self._saved_groups.append((group, saved))
         self._installed = True
-        policy = self.policy
-        self._kept = {id(g) for g in policy.kept(backward_order(self._states))}
+        self._kept = {id(g) for g in self.policy.kept(backward_order(self._states))}
         self._all_kept = len(self._kept) == len(self._groups)
-        for group in self._groups:
-            if id(group) in self._kept:
-                group.post_forward_mesh_info = None
-                group.reshard_after_backward = False
-            else:
-                group.reshard_after_backward = True
-            if policy.holds_back:
-                group.reduce_grads = False
-                group.all_reduce_grads = False
+        self._between.install(self._groups, self._kept, self.policy, self.frees_now)
         for state in self._states:
             original = getattr(state, PASS_START_HOOK)
             setattr(state, PASS_START_HOOK, self._wrap_pass_start(state, original))
@@ -190,6 +187,7 @@ class FSDP2Block(BlockBase):
         for state in self._patched:
             state.__dict__.pop(PASS_START_HOOK, None)
         self._patched.clear()
+        self._between.uninstall()
         for group, saved in self._saved_groups:
             for name, value in saved.items():
                 setattr(group, name, value)

@@ -103,6 +103,21 @@ def training_state_enum():
     return TrainingState
 
 
+def post_forward_mesh_info(ranks: int, mesh_info: Any) -> Any:
+    """The mesh info FSDP2 gives a group built with ``reshard_after_forward=ranks``
+    (its ``post_forward_mesh_info``), made for ``mesh_info``."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp._fsdp_init import (
+                _get_post_forward_mesh_info,
+            )
+        except ImportError:
+            raise missing_internal("_get_post_forward_mesh_info", FLAVOUR) from None
+    return _get_post_forward_mesh_info(ranks, mesh_info)
+
+
 def forward_running(state: Any) -> bool:
     """Whether ``state``'s forward started and has not returned."""
     return require_attr(state, "_training_state", FLAVOUR) == training_state_enum().FORWARD

@@ -367,5 +367,10 @@ class BlockBase(abc.ABC):
     def _end_pass(self) -> None:
         self.tracker.end()
 
+    def frees_now(self) -> bool:
+        """Whether units go back to what FSDP leaves after a plain backward: the last
+        announced pass runs, or the block exits."""
+        return self._exited or self.policy.is_last(self.tracker.started)
+
     def _in_backward(self) -> bool:
         return _pass_start.in_backward()

@@ -28,6 +28,7 @@ class RetainOptions:
     sync_grads: str = "every"
     backwards: int | None = None
     check_saved_tensors: bool = False
+    reshard_to: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep_unsharded, int):  # bool is an int
@@ -65,6 +66,43 @@ class RetainOptions:
                 "pass True to check that tensors saved for backward are unchanged when "
                 "a later pass reads them, or False (the default) to skip the check"
             )
+        self._check_reshard_to()
+
+    def _check_reshard_to(self) -> None:
+        value = self.reshard_to
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            raise ValueError(
+                f"reshard_to must be an int >= 2 or None, got {value!r}: pass the number "
+                "of ranks each unit not kept unsharded is resharded to between backward "
+                "passes (e.g. the GPUs of one node, 8), so that later passes all-gather "
+                "inside those groups only; None reshards to every rank of the unit's mesh"
+            )
+        if self.keep_unsharded is True:
+            warnings.warn(
+                f"no_reshard_between_backwards(reshard_to={value}) has no effect with "
+                "keep_unsharded=True: every unit stays unsharded between passes. Pass "
+                "keep_unsharded=False or a byte budget to reshard the others to groups "
+                f"of {value} ranks.",
+                stacklevel=4,
+            )
+
+
+def reshard_to_refusal(reshard_to: int, backend: str) -> ValueError:
+    """``reshard_to`` on a backend without a smaller mesh to reshard to (FSDP1, ZeRO-3)."""
+    fix = {
+        "FSDP1": "FSDP1 reshards a unit only to its whole sharding group. With "
+        "ShardingStrategy.HYBRID_SHARD that group already is one node: drop reshard_to",
+        "DeepSpeed ZeRO-3": "ZeRO-3 reshards to every rank; the block does not use "
+        "ZeRO++'s secondary partition (zero_hpz_partition_size). Drop reshard_to",
+    }[backend]
+    return ValueError(
+        f"no_reshard_between_backwards(reshard_to={reshard_to}) needs FSDP2 "
+        f"(fully_shard), got a {backend} model. {fix}, or wrap the model with "
+        "fully_shard(...) to keep the re-gathers between passes inside groups of "
+        f"{reshard_to} ranks."
+    )
 
 
 def regathers_saved(frees_after_forward: bool, passes: int) -> int:
@@ -151,6 +189,21 @@ class Policy:
     def kept(self, units: Iterable[tuple[Unit, int, bool]]) -> set[Unit]:
         """The units kept unsharded between passes: see ``kept_units``."""
         return kept_units(units, self.options.keep_unsharded, self.options.backwards)
+
+    def between_passes_ranks(self, built_with: int | None) -> int | None:
+        """How many ranks a unit not kept unsharded is resharded to between passes:
+        ``reshard_to``, else the group size FSDP2 reshards it to after forward
+        (``built_with``: ``reshard_after_forward=<int>``), else ``None``, every rank
+        of its mesh."""
+        return self.options.reshard_to or built_with
+
+    @staticmethod
+    def regroups(*, freeing: bool) -> bool:
+        """Whether a backward reshards a unit the budget does not keep to its group of
+        ranks (``between_passes_ranks``) rather than to every rank: not in the last
+        announced pass nor at the block exit (``freeing``), which leave every unit as
+        FSDP leaves it after a plain backward."""
+        return not freeing
 
     @staticmethod
     def frees_after_pass(kept: bool, *, freeing: bool) -> bool:
