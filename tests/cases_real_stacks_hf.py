@@ -25,6 +25,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from fsdp_retain import no_reshard_between_backwards
 from tests import fsdp1_utils as f1
 from tests import fsdp2_utils as f2
+from tests.case_parts import covering
 from tests.harness import Registry
 from tests.parity import Block, averaged_grads, reference_copy
 from tests.real_stacks_hf import (
@@ -62,15 +63,18 @@ def _add_hf_case(ckpt, backend, strategy, uop, keep, sync, probe, sizes=(2,)) ->
 
 
 def _add_hf_cases() -> None:
-    """Reentrant: every FSDP1 strategy and use_orig_params, FSDP2, every option (probe
+    """Reentrant: every FSDP1 strategy and use_orig_params, FSDP2, every option, every 3 of them together (probe
     passes refuse reentrant checkpoints, see below). Non-reentrant: the same with
     probe passes."""
     fsdp1 = [(f1.FULL, (2,)), (f1.GRAD_OP, (2,)), (f1.HYBRID, (4,))]
+    # FSDP1: every 3 of (strategy, use_orig_params, keep, sync) meet in each combination
+    # of their values (12 of the 24 per checkpointing kind).
+    grid = covering(dict(strategy=fsdp1, uop=(True, False), keep=(True, False),
+                         sync=("every", "last")), strength=3)
     for ckpt, probe in (("reentrant", False), ("nonreentrant", True)):
-        for (strategy, sizes), uop, (keep, sync) in itertools.product(
-            fsdp1, (True, False), OPTIONS
-        ):
-            _add_hf_case(ckpt, "fsdp1", strategy, uop, keep, sync, probe, sizes)
+        for row in grid:
+            (strategy, sizes), uop = row["strategy"], row["uop"]
+            _add_hf_case(ckpt, "fsdp1", strategy, uop, row["keep"], row["sync"], probe, sizes)
         for keep, sync in OPTIONS:
             _add_hf_case(ckpt, "fsdp2", None, False, keep, sync, probe)
     for keep, sync in OPTIONS[:2]:  # non-reentrant without probe, for contrast

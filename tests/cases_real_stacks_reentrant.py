@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests import fsdp1_utils as f1
 from tests import fsdp2_utils as f2
+from tests.case_parts import covering
 from tests.harness import Registry
 from tests.parity import Block, Scenario, block_options, make_net, reference_copy, run_parity, world
 from tests.real_stacks_hf import OPTIONS, STEPS, _opt_tag
@@ -96,19 +97,24 @@ def _add_torch_reentrant_cases() -> None:
     fsdp1 = [(f1.FULL, uop) for uop in (True, False)] + [
         (f1.GRAD_OP, True), (f1.NO_SHARD, True), (f1.NO_SHARD, False)
     ]
+    # Every 3 of (FSDP1 flavour, keep, sync, passes) meet in each combination of their
+    # values: 20 of the 40 per place.
+    grid = covering(dict(flavour=fsdp1, keep=(True, False), sync=("every", "last"),
+                         run=((2, False), (3, True))), strength=3)
     for where in ("inside", "around"):
-        for (strategy, uop), (keep, sync) in itertools.product(fsdp1, OPTIONS):
-            for passes, zero_between in ((2, False), (3, True)):
-                name = (
-                    f"torch_reentrant_{where}_fsdp1_{f1.STRATEGY_NAMES[strategy]}_"
-                    f"{'orig' if uop else 'flat'}_{_opt_tag(keep, sync)}_p{passes}"
-                    f"{'_zero' if zero_between else ''}"
-                )
-                fn = functools.partial(
-                    _torch_reentrant_case, where, "fsdp1", strategy, uop, keep, sync,
-                    passes, zero_between,
-                )
-                registry.add(name, fn)
+        for row in grid:
+            (strategy, uop), keep, sync = row["flavour"], row["keep"], row["sync"]
+            passes, zero_between = row["run"]
+            name = (
+                f"torch_reentrant_{where}_fsdp1_{f1.STRATEGY_NAMES[strategy]}_"
+                f"{'orig' if uop else 'flat'}_{_opt_tag(keep, sync)}_p{passes}"
+                f"{'_zero' if zero_between else ''}"
+            )
+            fn = functools.partial(
+                _torch_reentrant_case, where, "fsdp1", strategy, uop, keep, sync,
+                passes, zero_between,
+            )
+            registry.add(name, fn)
         # backwards=N: the last pass reduces what it accumulates into, the rest is
         # reduced at exit; reentrant units accumulate only inside the recompute.
         for uop, keep in itertools.product((True, False), (True, False)):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from fsdp_retain import no_reshard_between_backwards
 from fsdp_retain._fsdp2_inspect import fsdp2_all_sharded, fsdp2_param_groups
+from fsdp_retain._fsdp2_compat import param_groups
 from tests import fsdp2_utils as f2
 from tests.harness import Registry
 from tests.parity import (
@@ -80,7 +81,7 @@ def _expected(model, block, raf) -> Counter:
     """All-gathers per (phase, group size) in one step, from FSDP2's rules (see the
     module docstring)."""
     groups = fsdp2_param_groups(model)
-    root = {id(g) for g in model._get_fsdp_state()._fsdp_param_groups}
+    root = {id(g) for g in param_groups(model._get_fsdp_state())}
     loose = [g for g in groups if id(g) not in block._kept]
     first = sum(1 for g in loose if id(g) not in root)
     expected = Counter({("forward", 4): len(groups)})
