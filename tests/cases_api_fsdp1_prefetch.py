@@ -13,13 +13,13 @@ The model is ``tests.parity.Net`` with 3 blocks: 4 units (the root and each
   units, the all-gathers are bounded by that formula);
 - FSDP1 as after a plain step once the block exited (``assert_restored``).
 
-``GRID`` (world size 2, FULL_SHARD): the full cross of ``backward_prefetch``
-(None, BACKWARD_PRE, BACKWARD_POST) x ``sync_grads`` x ``backwards`` (None, the
-number of passes) x ``use_orig_params`` x ``keep_unsharded`` (True, False, a
-budget keeping 2 of the 4 units); ``forward_prefetch``, ``limit_all_gathers``
-and a probe pass first (``block.backward(loss, param_grads=False,
-retain_graph=True)`` before the two normal passes) set so that every two values
-of any two factors meet (``pairwise_gaps``). ``EXTRA_ROWS``: SHARD_GRAD_OP and
+``GRID`` (world size 2, FULL_SHARD): ``backward_prefetch`` (None, BACKWARD_PRE,
+BACKWARD_POST), ``sync_grads``, ``backwards`` (None, the number of passes),
+``use_orig_params``, ``keep_unsharded`` (True, False, a budget keeping 2 of the 4
+units), ``forward_prefetch``, ``limit_all_gathers`` and a probe pass first
+(``block.backward(loss, param_grads=False, retain_graph=True)`` before the two
+normal passes), so that every 3 of these factors meet in each combination of
+their values (``covering``; ``pairwise_gaps`` checks every pair). ``EXTRA_ROWS``: SHARD_GRAD_OP and
 NO_SHARD, ``backwards=N`` whose last pass reaches only ``blocks.0`` and the
 root (the other units are reduced at the exit), ``backwards`` one more than the
 passes run; ``HYBRID_ROWS`` on a (2, 2) mesh at world size 4.
@@ -49,6 +49,7 @@ from fsdp_retain._fsdp1_inspect import fsdp1_handles
 from fsdp_retain._measure import count_collectives
 from tests import fsdp1_utils as f1
 from tests.fsdp1_checks import assert_restored
+from tests.case_parts import covering
 from tests.harness import Registry
 from tests.parity import (
     LOSSES,
@@ -114,23 +115,9 @@ class Row:
 
 
 def _grid() -> list[Row]:
-    """The full cross of the first five factors; the other three are parities of
-    them, chosen so that ``pairwise_gaps`` finds nothing."""
-    rows = []
-    for bp, sync, bw, orig, keep in itertools.product(
-        range(3), range(2), range(2), range(2), range(3)
-    ):
-        rows.append(Row(
-            prefetch=list(BACKWARD_PREFETCH)[bp],
-            sync=("every", "last")[sync],
-            backwards=("none", "exact")[bw],
-            orig=bool(orig),
-            keep=KEEPS[keep],
-            forward_prefetch=(bp + sync + orig) % 2 == 1,
-            limit_all_gathers=(bp + bw + keep) % 2 == 1,
-            probe=(sync + bw + orig + keep // 2) % 2 == 1,
-        ))
-    return rows
+    """Every 3 of the 8 factors (``DOMAINS``) meet in each combination of their values
+    (``covering``), so ``pairwise_gaps`` finds nothing either."""
+    return [Row(**row) for row in covering(DOMAINS, strength=3)]
 
 
 # The values of each factor the grid must pair (see ``pairwise_gaps``).

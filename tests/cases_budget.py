@@ -46,6 +46,7 @@ from fsdp_retain._fsdp2_inspect import fsdp2_param_groups
 from fsdp_retain._measure import count_collectives
 from tests import fsdp1_utils as f1
 from tests import fsdp2_utils as f2
+from tests.case_parts import covering
 from tests.harness import Registry
 from tests.parity import (
     DIM, LOSSES, Net, Scenario, batch, device, make_net, reference_copy, run_parity, world,
@@ -172,9 +173,12 @@ def _probe_then_parity(model, ref, adapter, backend, options, kept, passes) -> N
         assert_close_dicts(adapter.full_params(model), params, f"step {step}: params")
 
 
-for _backend, _k, (_passes, _zero), _sync in itertools.product(
-    STRATEGIES, (0, 1, 2, 4), ((2, False), (3, True)), ("every", "last")
-):
+# Every 3 of (backend, budget, passes, sync) meet in each combination of their values
+# (32 of the 64).
+for _backend, _k, (_passes, _zero), _sync in (tuple(_row.values()) for _row in covering(dict(
+    backend=tuple(STRATEGIES), kept=(0, 1, 2, 4), run=((2, False), (3, True)),
+    sync=("every", "last"),
+), strength=3)):
     registry.add(
         f"budget_{_backend}_kept{_k}_p{_passes}{'_zero' if _zero else ''}_{_sync}",
         functools.partial(budget_case, _backend, _k, _passes, _sync, _zero, False),

@@ -17,6 +17,7 @@ import itertools
 from fsdp_retain import no_reshard_between_backwards
 from tests import fsdp1_utils as f1
 from tests.fsdp1_checks import assert_restored, expect_counts
+from tests.case_parts import covering
 from tests.harness import Registry
 from tests.parity import (
     LOSSES,
@@ -63,29 +64,31 @@ def _name(strategy, uop, passes, zero_between, keep, sync, backwards, tied) -> s
 
 
 def _add_grid(strategies, world_sizes, *, both_pass_counts: bool, prefix: str = "") -> None:
-    """Every strategy x use_orig_params x keep_unsharded x sync_grads x backwards.
+    """strategy x use_orig_params x keep_unsharded x sync_grads x backwards.
 
-    With ``both_pass_counts`` each runs with 2 and 3 passes, with zero_grad
-    between passes and the tied weight chosen so that every pair of factors
-    meets (64 cases for two strategies). Otherwise (one strategy, 16 cases)
-    passes, zero_grad and the tied weight are XORs of the other factors'
-    bits, which again makes every pair of factors meet.
+    With ``both_pass_counts``, also 2 or 3 passes, zero_grad between passes and the tied
+    weight: every 3 of the 8 factors meet in each combination of their values
+    (``covering``: 16 rows for two strategies, against 256 for the product).
+    Otherwise (one strategy, 16 cases) passes, zero_grad and the tied weight are XORs
+    of the other factors' bits, which makes every pair of factors meet.
     """
+    if both_pass_counts:
+        for row in covering(dict(
+            strategy=strategies, uop=(False, True), passes=(2, 3), zero=(False, True),
+            keep=(True, False), sync=("every", "last"), backwards=(False, True),
+            tied=(False, True),
+        ), strength=3):
+            args = tuple(row.values())
+            registry.add(prefix + _name(*args), _parity_case(*args), world_sizes=world_sizes)
+        return
     combos = itertools.product(
         strategies, (False, True), (True, False), ("every", "last"), (False, True)
     )
     for i, (strategy, uop, keep, sync, backwards) in enumerate(combos):
-        if both_pass_counts:
-            variants = [
-                (passes, (i + (passes == 3)) % 2 == 0, (i // 2 + i // 8 + (passes == 3)) % 2 == 0)
-                for passes in (2, 3)
-            ]
-        else:
-            bit = [(i >> j) & 1 for j in range(4)]  # backwards, sync, keep, uop
-            variants = [(2 + (bit[0] ^ bit[1]), bool(bit[0] ^ bit[2]), bool(bit[0] ^ bit[3]))]
-        for passes, zero, tied in variants:
-            args = (strategy, uop, passes, zero, keep, sync, backwards, tied)
-            registry.add(prefix + _name(*args), _parity_case(*args), world_sizes=world_sizes)
+        bit = [(i >> j) & 1 for j in range(4)]  # backwards, sync, keep, uop
+        passes, zero, tied = 2 + (bit[0] ^ bit[1]), bool(bit[0] ^ bit[2]), bool(bit[0] ^ bit[3])
+        args = (strategy, uop, passes, zero, keep, sync, backwards, tied)
+        registry.add(prefix + _name(*args), _parity_case(*args), world_sizes=world_sizes)
 
 
 _add_grid((f1.FULL, f1.GRAD_OP), (2,), both_pass_counts=True)
