@@ -4,7 +4,8 @@
 The grid: 2 and 3 passes, keep_unsharded, sync_grads, backwards known or not,
 ``engine.backward`` or ``loss.backward()``, every 3 of them in each combination; then, per keep_unsharded x sync_grads,
 gradient accumulation, bf16, a probe pass first, resident parameters, the saved-tensor
-check, zero_grad between passes and a last pass that starts inside the model. Parity
+check, zero_grad between passes and a last pass that starts inside the model (each with
+every keep_unsharded and every sync_grads value). Parity
 with an unsharded reference over 3 SGD-momentum steps, collectives by formula (see
 ``tests/cases_deepspeed_common.py``). Without the block: pass 2 fails on released
 parameters, or with resident parameters gives wrong gradients.
@@ -12,7 +13,6 @@ parameters, or with resident parameters gives wrong gradients.
 
 from __future__ import annotations
 
-import itertools
 
 import torch
 
@@ -47,23 +47,26 @@ for fields in covering(dict(passes=(2, 3), keep=(True, False), sync=("every", "l
                             backwards=(False, True), engine_backward=(True, False)), strength=3):
     registry.add(_name(fields), _parity_case(**fields))
 
-for keep, sync in itertools.product((True, False), ("every", "last")):
-    extras = (
-        dict(gas=2),
-        dict(bf16=True),
-        dict(probe_first=True, passes=3),
-        dict(persist=True),
-        dict(check=True),
-        dict(zero_between=True, passes=3),
-        dict(inner_last=True),
-        dict(inner_last=True, engine_backward=False),
-    )
-    for extra in extras:
-        if extra.get("zero_between") and sync == "last":
-            # DeepSpeed 0.19.8's zero_grad() calls record_stream on the held .grad,
-            # which fails on CPU ("unknown parameter type").
-            continue
-        fields = dict(keep=keep, sync=sync, **extra)
+EXTRAS = (
+    dict(gas=2),
+    dict(bf16=True),
+    dict(probe_first=True, passes=3),
+    dict(persist=True),
+    dict(check=True),
+    dict(zero_between=True, passes=3),
+    dict(inner_last=True),
+    dict(inner_last=True, engine_backward=False),
+)
+# Each extra with each keep_unsharded and each sync_grads value (every pair meets).
+for extra, keep, sync in (tuple(row.values()) for row in covering(dict(
+    extra=range(len(EXTRAS)), keep=(True, False), sync=("every", "last")), strength=2)):
+    extra = EXTRAS[extra]
+    if extra.get("zero_between") and sync == "last":
+        # DeepSpeed 0.19.8's zero_grad() calls record_stream on the held .grad,
+        # which fails on CPU ("unknown parameter type").
+        sync = "every"
+    fields = dict(keep=keep, sync=sync, **extra)
+    if _name(fields) not in registry.cases:
         registry.add(_name(fields), _parity_case(**fields))
 
 

@@ -201,8 +201,9 @@ def launch_cases(
         log.close()
     per_rank = []
     for rank in range(world_size):
-        path = workdir / f"results_rank{rank}.json"
-        per_rank.append(json.loads(path.read_text()) if path.exists() else {})
+        path = workdir / f"results_rank{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        per_rank.append(dict(json.loads(line) for line in lines))
     shutil.rmtree(workdir, ignore_errors=True)
     return LaunchResult(
         world_size, [p.returncode for p in procs], per_rank, outputs, timed_out
@@ -324,7 +325,7 @@ def _worker(out: Path, cases: list[tuple[str, str]]) -> int:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     measure = _Measure(rank, dist.get_world_size())
     results: dict[str, dict] = {}
-    path = out / f"results_rank{rank}.json"
+    path = out / f"results_rank{rank}.jsonl"  # a line per case: [key, result]
     for module, name in cases:
         key = f"{module}:{name}"
         measure.case(module, name)
@@ -339,7 +340,8 @@ def _worker(out: Path, cases: list[tuple[str, str]]) -> int:
             print(results[key]["error"], flush=True)
         results[key]["seconds"] = round(time.perf_counter() - start, 3)
         measure.record(module, name, results[key]["seconds"])
-        path.write_text(json.dumps(results))
+        with path.open("a") as f:
+            f.write(json.dumps([key, results[key]]) + "\n")
         try:
             dist.barrier()
         except Exception:  # noqa: BLE001 - a peer failed; stop here
