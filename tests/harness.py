@@ -289,8 +289,28 @@ def _launch_group(session, spec: _LaunchSpec) -> LaunchResult:
                  for name in importlib.import_module(module).registry.names(spec.world_size)
                  if name in names]
         timeout = min(sum(timeouts.values()), max(_SHARED_TIMEOUT_CAP, *timeouts.values()))
-        _LAUNCHED[key] = launch_cases(cases, spec.world_size, timeout=timeout)
+        _LAUNCHED[key] = _launch_resuming(cases, spec.world_size, timeout)
     return _LAUNCHED[key]
+
+
+def _launch_resuming(cases: list[tuple[str, str]], world_size: int,
+                     timeout: float) -> LaunchResult:
+    """``launch_cases``; when a rank died (a crash, not the time limit), the cases that
+    no rank started run again in a fresh launch, once: a shared launch must not turn one
+    crashing case into hundreds of failures. The case that crashed keeps its failure."""
+    result = launch_cases(cases, world_size, timeout=timeout)
+    started = set().union(*result.per_rank)
+    rest = [c for c in cases if f"{c[0]}:{c[1]}" not in started]
+    if not rest or result.timed_out or not started:
+        return result
+    again = launch_cases(rest, world_size, timeout=timeout)
+    for mine, theirs in zip(result.per_rank, again.per_rank):
+        mine.update(theirs)
+    # The crash last, where output_tail shows it; the exit codes are the crash's too.
+    result.outputs = [f"{b}\n----- the launch before the relaunch of the {len(rest)} cases "
+                      f"no rank had started -----\n{a}"
+                      for a, b in zip(result.outputs, again.outputs)]
+    return result
 
 
 def _define_case_test(namespace: dict, test_name: str, spec: _LaunchSpec) -> None:
