@@ -12,7 +12,7 @@ import torch.nn as nn
 from ._common import ACTIVE_ATTR, first_wrapped_submodule
 from ._lifecycle import BlockBase
 from ._loss_grads import LossGrads
-from ._policy import RetainOptions, reshard_to_refusal
+from ._policy import RetainOptions
 from ._stack import ddp_fix, not_wrapped_fix, wrapper_fix
 
 SyncGrads = Literal["every", "last"]
@@ -100,8 +100,7 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
         _check_not_active(model)
         from ._deepspeed import DeepSpeedBlock
 
-        if options.reshard_to is not None:
-            raise reshard_to_refusal(options.reshard_to, "DeepSpeed ZeRO-3")
+        options.check_reshard_to("DeepSpeed ZeRO-3")
         return DeepSpeedBlock(model, options)
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -134,9 +133,11 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
 
         return FSDP2Block(model, options)
     from ._fsdp1 import FSDP1Block
+    from ._fsdp1_units import shard_groups
 
     if options.reshard_to is not None:
-        raise reshard_to_refusal(options.reshard_to, "FSDP1")
+        # HYBRID_SHARD over groups of reshard_to ranks already re-gathers inside them.
+        options.check_reshard_to("FSDP1", shard_groups(model))
     return FSDP1Block(model, options)
 
 
@@ -236,7 +237,7 @@ def no_reshard_between_backwards(
             saved inside a non-reentrant activation-checkpointed region are
             not seen (they are recomputed per pass). Costs about 1.1x step
             time; use it to validate a setup.
-        reshard_to: FSDP2 only. Between passes, each unit not kept unsharded
+        reshard_to: between passes, each unit not kept unsharded
             (``keep_unsharded=False`` or a budget) is resharded to groups of
             this many ranks (e.g. the GPUs of one node) instead of every rank
             of its mesh, as ``fully_shard(..., reshard_after_forward=<int>)``
@@ -244,7 +245,10 @@ def no_reshard_between_backwards(
             only (memory: 1/N of those units' unsharded parameters). ``None``:
             every rank, or the group size the model was built with
             (``reshard_after_forward=<int>``). Must divide the ranks each
-            parameter is sharded over. Reduce-scatters are unchanged.
+            parameter is sharded over. Reduce-scatters are unchanged. FSDP2;
+            on FSDP1 only where every unit is ``HYBRID_SHARD`` with a shard group
+            of exactly this many ranks, where FSDP1 re-gathers already (the block
+            runs as without the option); refused otherwise and on ZeRO-3.
 
     Yields:
         A ``RetainBlock``: ``block.backward_passes`` (passes seen so far, probe

@@ -36,6 +36,7 @@ from ._fsdp1_compat import (
     unsharded_bytes,
 )
 from ._fsdp1_guards import backward_after_exit
+from ._policy import ShardGroup
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,6 +78,13 @@ class Unit:
     def flat_param(self) -> Any:
         return self.handle.flat_param
 
+    @property
+    def shard_group(self) -> ShardGroup:
+        """The strategy and the ranks FSDP1 all-gathers the unit over (``HYBRID_SHARD``:
+        its shard group)."""
+        handle = self.handle
+        return ShardGroup(self.name, handle._sharding_strategy.name, handle.process_group.size())
+
     def uses(self, run: Callable[[Any], bool]) -> bool:
         """Whether the running pass (``run``: ``_pass_start.will_run``) uses the unit."""
         return self.accumulates(run) or any(map(run, self.inner_nodes)) or self.reaches_outputs(run)
@@ -111,6 +119,14 @@ def make_units(model: nn.Module, states: list[Any]) -> list[Unit]:
         for s in states
         if s._handle is not None
     ]
+
+
+def shard_groups(model: nn.Module) -> list[ShardGroup]:
+    """Each unit's ``shard_group`` (for ``RetainOptions.check_reshard_to``), before the
+    block and before FSDP1's lazy init."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return [u.shard_group for u in make_units(model, FullyShardedDataParallel.fsdp_modules(model))]
 
 
 def backward_order(model: nn.Module, units: list[Unit]) -> list[tuple[Unit, int, bool]]:

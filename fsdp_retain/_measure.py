@@ -28,6 +28,10 @@ class CollectiveCounts:
     all_gather_bytes: int = 0
     reduce_scatter_bytes: int = 0
     all_reduce_bytes: int = 0
+    # (phase, kind, ranks) -> collectives: ``phase`` the label ``mark`` set last (None
+    # before any), ``kind`` as the fields above (or the op name), ``ranks`` the size of
+    # the collective's process group (None where the op names none).
+    by_group: Counter = dataclasses.field(default_factory=Counter)
     _mode: Any = dataclasses.field(default=None, repr=False)
     _excluded: Counter = dataclasses.field(default_factory=Counter, repr=False)
     _excluded_bytes: Counter = dataclasses.field(default_factory=Counter, repr=False)
@@ -46,16 +50,32 @@ class CollectiveCounts:
             "all_reduce": self.all_reduce_bytes,
         }
 
+    def mark(self, phase: str | None) -> None:
+        """Counts the collectives from now on under ``phase`` in ``by_group``."""
+        self._mode.phase = phase
+
+    def groups(self, kind: str, phase: Any = ...) -> Counter:
+        """``kind`` collectives by the size of their process group, in ``phase``
+        (every phase when not given)."""
+        out: Counter = Counter()
+        for (p, k, ranks), n in self.by_group.items():
+            if k == kind and n and (phase is ... or p == phase):
+                out[ranks] += n
+        return out
+
     @contextlib.contextmanager
     def excluded(self) -> Iterator[None]:
         """Collectives issued in this nested block are not counted."""
-        before = Counter(self._mode.get_comm_counts())
-        before_bytes = Counter(self._mode.comm_bytes)
+        mode = self._mode
+        before = Counter(mode.get_comm_counts())
+        before_bytes = Counter(mode.comm_bytes)
+        paused, mode.paused = mode.paused, True
         try:
             yield
         finally:
-            self._excluded.update(Counter(self._mode.get_comm_counts()) - before)
-            self._excluded_bytes.update(Counter(self._mode.comm_bytes) - before_bytes)
+            mode.paused = paused
+            self._excluded.update(Counter(mode.get_comm_counts()) - before)
+            self._excluded_bytes.update(Counter(mode.comm_bytes) - before_bytes)
 
 
 def _tensor_bytes(value) -> int:
@@ -74,6 +94,30 @@ def _unsharded_bytes(args, kwargs, out) -> int:
     return max((_tensor_bytes(v) for v in values), default=0)
 
 
+def _kind(op_name: str) -> str | None:
+    return next((kind for kind, needles in _KINDS.items()
+                 if any(needle in op_name for needle in needles)), None)
+
+
+def _group_ranks(args, kwargs) -> int | None:
+    """The size of the process group a collective runs on: c10d ops take the group
+    (a ``ScriptObject``), functional collectives its name."""
+    import torch
+    import torch.distributed as dist
+
+    c10d: Any = dist.distributed_c10d
+    for value in list(args) + list((kwargs or {}).values()):
+        try:
+            if isinstance(value, torch.ScriptObject):
+                if value._type().qualified_name().endswith("c10d.ProcessGroup"):
+                    return dist.ProcessGroup.unbox(value).size()
+            elif isinstance(value, str):  # a group name, or a reduce op ("sum")
+                return c10d._resolve_process_group(value).size()
+        except (RuntimeError, ValueError, KeyError, AttributeError):
+            continue
+    return None
+
+
 def _comm_mode_class():
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -83,6 +127,9 @@ def _comm_mode_class():
         def __init__(self) -> None:
             super().__init__()
             self.comm_bytes: Counter = Counter()
+            self.groups: Counter = Counter()  # CollectiveCounts.by_group
+            self.phase: str | None = None
+            self.paused = False  # inside CollectiveCounts.excluded()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             before = dict(self.comm_counts)
@@ -91,6 +138,10 @@ def _comm_mode_class():
                 for op, n in self.comm_counts.items():
                     if n != before.get(op, 0):
                         self.comm_bytes[op] += _unsharded_bytes(args, kwargs, out)
+                        if not self.paused:
+                            name = str(op).split(".")[-1].lower()
+                            key = self.phase, _kind(name) or name, _group_ranks(args, kwargs)
+                            self.groups[key] += 1
             return out
 
         def __enter__(self):
@@ -108,6 +159,10 @@ def count_collectives() -> Iterator[CollectiveCounts]:
     c10d ops FSDP1/FSDP2 call and functional collectives. The counts (and the
     ``*_bytes`` fields) are filled in when the block exits.
 
+    ``counts.mark(phase)`` labels what follows; ``counts.by_group`` (and
+    ``counts.groups(kind, phase)``) then splits the counts by phase and by the
+    size of each collective's process group.
+
     ``CommDebugMode`` (torch 2.13) fails on a second forward of the same
     modules inside one block: count each forward and its backward passes in
     their own block and add the results up.
@@ -123,14 +178,14 @@ def count_collectives() -> Iterator[CollectiveCounts]:
     counts = CollectiveCounts(_mode=mode)
     with mode:
         yield counts
+    counts.by_group.update(mode.groups)
     totals = Counter(mode.get_comm_counts()) - counts._excluded
     total_bytes = Counter(mode.comm_bytes) - counts._excluded_bytes
     for op, n in totals.items():
         name = str(op).split(".")[-1].lower()
         counts.by_op[name] = counts.by_op.get(name, 0) + n
-        for kind, needles in _KINDS.items():
-            if any(needle in name for needle in needles):
-                setattr(counts, kind, getattr(counts, kind) + n)
-                bytes_field = f"{kind}_bytes"
-                setattr(counts, bytes_field, getattr(counts, bytes_field) + total_bytes[op])
-                break
+        kind = _kind(name)
+        if kind is not None:
+            setattr(counts, kind, getattr(counts, kind) + n)
+            bytes_field = f"{kind}_bytes"
+            setattr(counts, bytes_field, getattr(counts, bytes_field) + total_bytes[op])

@@ -89,19 +89,70 @@ class RetainOptions:
             )
 
 
-def reshard_to_refusal(reshard_to: int, backend: str) -> ValueError:
-    """``reshard_to`` on a backend without a smaller mesh to reshard to (FSDP1, ZeRO-3)."""
-    fix = {
-        "FSDP1": "FSDP1 reshards a unit only to its whole sharding group. With "
-        "ShardingStrategy.HYBRID_SHARD that group already is one node: drop reshard_to",
-        "DeepSpeed ZeRO-3": "ZeRO-3 reshards to every rank; the block does not use "
-        "ZeRO++'s secondary partition (zero_hpz_partition_size). Drop reshard_to",
-    }[backend]
+    def check_reshard_to(self, backend: str, shard_groups: Iterable[ShardGroup] = ()) -> None:
+        """Raises unless ``backend`` can keep the re-gathers between passes inside
+        groups of ``reshard_to`` ranks (FSDP2 always can and does not ask): FSDP1 where
+        every unit (``shard_groups``) is ``HYBRID_SHARD`` (or ``_HYBRID_SHARD_ZERO2``)
+        with a shard group of that many ranks, which is where it re-gathers anyway;
+        DeepSpeed ZeRO-3 never."""
+        if self.reshard_to is None:
+            return
+        groups = list(shard_groups) if backend == "FSDP1" else [None]
+        for group in groups:
+            if group is None or group.strategy not in HYBRID or group.ranks != self.reshard_to:
+                raise reshard_to_refusal(self.reshard_to, backend, group)
+
+
+HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardGroup:
+    """How FSDP1 shards one unit: its name, its ``ShardingStrategy`` name and the ranks
+    that shard it (``HYBRID_SHARD``: its shard group, one node)."""
+
+    unit: str
+    strategy: str
+    ranks: int
+
+
+def reshard_to_refusal(
+    reshard_to: int, backend: str, group: ShardGroup | None = None
+) -> ValueError:
+    """``reshard_to`` on a backend without groups of that many ranks to re-gather in:
+    DeepSpeed ZeRO-3, or FSDP1 where ``group`` is not ``HYBRID_SHARD`` over
+    ``reshard_to`` ranks."""
+    fsdp2 = (
+        f"wrap the model with fully_shard(...) to keep the re-gathers between passes "
+        f"inside groups of {reshard_to} ranks"
+    )
+    if backend == "DeepSpeed ZeRO-3":
+        return ValueError(
+            f"no_reshard_between_backwards(reshard_to={reshard_to}) needs FSDP2 "
+            "(fully_shard), got a DeepSpeed ZeRO-3 model. ZeRO-3 reshards to every rank; "
+            "the block does not use ZeRO++'s secondary partition "
+            f"(zero_hpz_partition_size). Drop reshard_to, or {fsdp2}."
+        )
+    where = "" if group is None else (
+        f" whose unit {group.unit!r} uses {group.strategy} over {group.ranks} rank(s)"
+    )
+    if group is not None and group.strategy in HYBRID:
+        fix = (
+            f"FSDP1 re-gathers a {group.strategy} unit inside its shard group, here of "
+            f"{group.ranks} ranks: pass reshard_to={group.ranks} (or drop it), build the "
+            f"device_mesh with a shard dimension of {reshard_to} ranks"
+        )
+    else:
+        fix = (
+            "FSDP1 reshards a unit only to its whole sharding group: wrap it with "
+            "sharding_strategy=ShardingStrategy.HYBRID_SHARD and a device_mesh whose shard "
+            f"dimension has {reshard_to} ranks (re-gathers between passes then stay "
+            "inside it), drop reshard_to"
+        )
     return ValueError(
         f"no_reshard_between_backwards(reshard_to={reshard_to}) needs FSDP2 "
-        f"(fully_shard), got a {backend} model. {fix}, or wrap the model with "
-        "fully_shard(...) to keep the re-gathers between passes inside groups of "
-        f"{reshard_to} ranks."
+        f"(fully_shard) or FSDP1 HYBRID_SHARD over shard groups of {reshard_to} ranks, "
+        f"got a FSDP1 model{where}. {fix}, or {fsdp2}."
     )
 
 

@@ -3,9 +3,10 @@
 
 Each parity case trains an FSDP2 model and an unsharded reference (seed 42, inputs
 ``42 + rank + 1``, SGD with momentum) for ``STEPS`` steps of ``PASSES`` backward passes
-over one forward, compares losses, gradients (after every pass with
-``sync_grads="every"``) and parameters within 1e-5, and counts FSDP2's all-gathers by
-the size of their process group, per phase (the forward, each pass). Expected, per
+over one forward through ``tests.parity.run_parity`` (losses, gradients after every pass
+with ``sync_grads="every"`` and parameters within 1e-5), and counts FSDP2's all-gathers
+by the size of their process group, per phase (the forward, each pass, the exit: none
+there). Expected, per
 step, from FSDP2's rules: the forward gathers every unit over all 4 ranks; pass 1
 gathers each unit the budget does not keep ("loose") that FSDP2 resharded after
 forward and the root is not, over 4 ranks (bool ``reshard_after_forward``) or inside
@@ -15,13 +16,10 @@ once inside its group of 2 and nothing over all 4 ranks.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from fsdp_retain import no_reshard_between_backwards
@@ -29,52 +27,13 @@ from fsdp_retain._fsdp2_inspect import fsdp2_all_sharded, fsdp2_param_groups
 from fsdp_retain._fsdp2_compat import param_groups
 from tests import fsdp2_utils as f2
 from tests.harness import Registry
-from tests.parity import (
-    LOSSES,
-    Scenario,
-    assert_close_dicts,
-    averaged_grads,
-    batch,
-    make_net,
-    reference_copy,
-    reference_step,
-    sgd,
-)
+from tests.parity import Scenario, batch, make_net, reference_copy, run_parity
 
 registry = Registry()
 WS = (4,)
 GROUP = 2
 PASSES = 3
 STEPS = 3
-
-
-class GatherLog:
-    """FSDP2's all-gathers by phase and process-group size, recorded from
-    ``torch.distributed``'s all-gather entry points while ``phase`` is set."""
-
-    def __init__(self) -> None:
-        self.phase: str | None = None
-        self.counts: Counter = Counter()  # (phase, group size) -> all-gathers
-
-    @contextlib.contextmanager
-    def patched(self) -> Iterator[GatherLog]:
-        names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-        originals = {n: getattr(dist, n) for n in names}
-
-        def wrapper(original):
-            def call(output, input, group=None, *args, **kwargs):
-                if self.phase is not None:
-                    self.counts[self.phase, dist.get_world_size(group)] += 1
-                return original(output, input, group, *args, **kwargs)
-            return call
-
-        for name in names:
-            setattr(dist, name, wrapper(originals[name]))
-        try:
-            yield self
-        finally:
-            for name, original in originals.items():
-                setattr(dist, name, original)
 
 
 def _expected(model, block, raf) -> Counter:
@@ -118,40 +77,16 @@ def _owner_state(model) -> list:
     ]
 
 
-def _step(model, opt, x, scenario: Scenario, log: GatherLog, probe: bool, raf):
-    """One step: returns losses, the gradients after each pass, and the expected
-    all-gathers (read from the block)."""
-    losses, grads = [], []
-    with no_reshard_between_backwards(model, **scenario.options) as block:
-        log.phase = "forward"
-        out = model(x)
-        for i in range(scenario.passes):
-            log.phase = f"pass{i + 1}"
-            if scenario.zeroes_before(i):
-                opt.zero_grad()
-            loss = LOSSES[i % len(LOSSES)](out)
-            if probe and i == 0:
-                block.backward(loss, param_grads=False, retain_graph=True)
-            else:
-                loss.backward(retain_graph=i < scenario.passes - 1)
-            log.phase = None
-            losses.append(loss.detach())
-            if i < scenario.passes - 1:
-                _check_between_passes(model, block)
-            if scenario.check_between and i < scenario.passes - 1:
-                grads.append(f2.full_grads(model))
-        expected = _expected(model, block, raf)
-    assert fsdp2_all_sharded(model), "a unit left unsharded (or on its group mesh) after exit"
-    grads.append(f2.full_grads(model))
-    opt.step()
-    opt.zero_grad()
-    return losses, grads, expected
-
-
 def _budget(model) -> int:
     """Half the unsharded bytes of all units: keeps some, reshards the others."""
     return sum(fp._orig_size.numel() * fp.sharded_param.element_size()
                for g in fsdp2_param_groups(model) for fp in g.fsdp_params) // 2
+
+
+def gathers_by_phase(counts) -> Counter:
+    """All-gathers per (phase, process-group size), from ``run_parity``'s counts."""
+    return Counter({(phase, ranks): n for (phase, kind, ranks), n in counts.by_group.items()
+                    if kind == "all_gather" and n})
 
 
 def _parity(keep, sync="every", raf=True, reshard_to=GROUP, backwards=False, probe=False,
@@ -167,56 +102,31 @@ def _parity(keep, sync="every", raf=True, reshard_to=GROUP, backwards=False, pro
         )
         if reshard_to is not None:
             options["reshard_to"] = reshard_to
-        scenario = Scenario(passes=PASSES, steps=STEPS, options=options,
-                            zero_between=zero_between,
-                            check_between=sync == "every" and not probe)
-        opt, ref_opt = sgd(model), sgd(ref)
-        log = GatherLog()
-        for step in range(STEPS):
-            x = batch(step)
-            if probe:
-                ref_losses, ref_grads = _probe_reference(ref, ref_opt, x)
-            else:
-                ref_losses, ref_grads = reference_step(ref, ref_opt, x, scenario)
-            log.counts.clear()
-            with log.patched():
-                losses, grads, expected = _step(model, opt, x, scenario, log, probe, raf)
-            where = f"step {step} options={options} raf={raf} probe={probe}"
+        expected: list[Counter] = []  # read from the block between passes
+
+        def between(model, block) -> None:
+            _check_between_passes(model, block)
+            expected.append(_expected(model, block, raf))
+
+        def expect(counts) -> None:
+            where = f"options={options} raf={raf} probe={probe}"
+            assert fsdp2_all_sharded(model), f"{where}: a unit left unsharded after exit"
+            want = expected[-1]
             if keep == "budget":
-                assert 0 < sum(expected[k] for k in expected if k[0] == f"pass{PASSES}") \
-                    < len(fsdp2_param_groups(model)), f"{where}: the budget keeps all or none"
-            for i, (a, b) in enumerate(zip(losses, ref_losses)):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{where}: loss {i}")
-            if scenario.check_between:
-                for i, (a, b) in enumerate(zip(grads, ref_grads)):
-                    assert_close_dicts(a, b, f"{where}: grads after pass {i + 1}")
-            else:
-                assert_close_dicts(grads[-1], ref_grads[-1], f"{where}: final grads")
-            params = {n: p.detach() for n, p in ref.named_parameters()}
-            assert_close_dicts(f2.full_params(model), params, f"{where}: params")
-            got = Counter({k: v for k, v in log.counts.items() if v})
-            assert got == expected, (
+                assert 0 < want[f"pass{PASSES}", GROUP] < len(fsdp2_param_groups(model)), (
+                    f"{where}: the budget keeps all or none")
+            got = gathers_by_phase(counts)
+            assert got == want, (
                 f"{where}: all-gathers by (phase, group size) {dict(sorted(got.items()))}, "
-                f"expected {dict(sorted(expected.items()))}"
+                f"expected {dict(sorted(want.items()))}"
             )
 
+        scenario = Scenario(passes=PASSES, steps=STEPS, options=options,
+                            zero_between=zero_between, probe_first=probe, between=between,
+                            check_between=sync == "every" and not probe)
+        run_parity(model, ref, scenario, f2.ADAPTER, expect)
+
     return run
-
-
-def _probe_reference(ref, opt, x):
-    """Pass 1 a probe pass: only passes 2.. add gradients."""
-    out = ref(x)
-    losses = [LOSSES[0](out).detach()]
-    for i in range(1, PASSES):
-        loss = LOSSES[i % len(LOSSES)](out)
-        loss.backward(retain_graph=i < PASSES - 1)
-        losses.append(loss.detach())
-    final = averaged_grads(ref)
-    for name, param in ref.named_parameters():
-        param.grad = final[name].clone() if name in final else None
-    opt.step()
-    opt.zero_grad()
-    return losses, [final]
 
 
 for _name, _case in {
@@ -267,8 +177,8 @@ def exception_between_passes_restores() -> None:
 
 @registry.case(world_sizes=WS)
 def refusals() -> None:
-    """A bad group size, and FSDP1: a ``ValueError`` that names the fix; the model is
-    left as it was."""
+    """A bad group size: a ``ValueError`` that names the fix; the model is left as it
+    was (FSDP1's refusals: ``tests/cases_reshard_to_fsdp1.py``)."""
     model = f2.wrap(make_net(depth=2))
     with pytest.raises(ValueError, match=r"reshard_to=3\): 3 does not divide the 4 ranks"):
         with no_reshard_between_backwards(model, keep_unsharded=False, reshard_to=3):
@@ -280,11 +190,4 @@ def refusals() -> None:
     # Still usable: a plain step after the refusals.
     model(batch(0)).sum().backward()
     assert fsdp2_all_sharded(model)
-
-    from tests import fsdp1_utils
-
-    fsdp1 = fsdp1_utils.wrap(make_net(depth=2))
-    with pytest.raises(ValueError, match=r"needs FSDP2 \(fully_shard\), got a FSDP1 model"):
-        with no_reshard_between_backwards(fsdp1, keep_unsharded=False, reshard_to=2):
-            pass
     dist.barrier()

@@ -16,6 +16,7 @@ from tests.parity import Adapter, Block, device, world
 FULL = ShardingStrategy.FULL_SHARD
 GRAD_OP = ShardingStrategy.SHARD_GRAD_OP
 HYBRID = ShardingStrategy.HYBRID_SHARD
+HYBRID_ZERO2 = ShardingStrategy._HYBRID_SHARD_ZERO2
 NO_SHARD = ShardingStrategy.NO_SHARD
 STRATEGY_NAMES = {FULL: "full", GRAD_OP: "gradop", HYBRID: "hybrid", NO_SHARD: "noshard"}
 _RESHARD_AFTER_FORWARD = (FULL, HYBRID)
@@ -36,9 +37,9 @@ def wrap(
 ) -> FSDP:
     """Auto-wraps each ``Block`` in its own FSDP1 unit, then the root (nested units).
 
-    ``HYBRID_SHARD`` uses a (replicate=world/2, shard=2) CPU mesh.
+    ``HYBRID_SHARD`` and ``_HYBRID_SHARD_ZERO2`` use a (replicate=world/2, shard=2) CPU mesh.
     """
-    if strategy == HYBRID:
+    if strategy in (HYBRID, HYBRID_ZERO2):
         kwargs["device_mesh"] = init_device_mesh(
             "cpu", (world() // 2, 2), mesh_dim_names=("replicate", "shard")
         )

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -144,6 +145,9 @@ class Scenario:
     check_between: bool = True  # compare .grad after each pass ("every" only)
     zero_before: tuple[int, ...] | None = None  # passes preceded by zero_grad()
     dim: int = DIM  # input width
+    probe_first: bool = False  # pass 1 a probe pass (block.backward(param_grads=False))
+    # Called with (model, block) after each pass but the last, inside the block.
+    between: Callable[[nn.Module, Any], None] | None = None
 
     def zeroes_before(self, index: int) -> bool:
         if self.zero_before is not None:
@@ -153,7 +157,7 @@ class Scenario:
     def describe(self) -> str:
         return (
             f"passes={self.passes} zero_between={self.zero_between} "
-            f"zero_before={self.zero_before} "
+            f"zero_before={self.zero_before} probe_first={self.probe_first} "
             f"options={self.options} use_block={self.use_block}"
         )
 
@@ -167,14 +171,16 @@ class Adapter:
 
 
 def reference_step(ref: nn.Module, opt, x: torch.Tensor, scenario: Scenario):
-    """Runs the scenario on the unsharded reference; returns losses and per-pass grads."""
+    """Runs the scenario on the unsharded reference; returns losses and per-pass grads
+    (a probe pass adds none)."""
     out = ref(x)
     losses, grads_after_pass = [], []
     for i in range(scenario.passes):
         if scenario.zeroes_before(i):
             opt.zero_grad()
         loss = LOSSES[i % len(LOSSES)](out)
-        loss.backward(retain_graph=i < scenario.passes - 1)
+        if not (scenario.probe_first and i == 0):
+            loss.backward(retain_graph=i < scenario.passes - 1)
         losses.append(loss.detach())
         grads_after_pass.append(averaged_grads(ref))
     final = grads_after_pass[-1]
@@ -188,7 +194,8 @@ def reference_step(ref: nn.Module, opt, x: torch.Tensor, scenario: Scenario):
 def fsdp_step(
     model: nn.Module, opt, x: torch.Tensor, scenario: Scenario, adapter: Adapter
 ):
-    """Runs the scenario on the FSDP model; returns losses, per-pass grads, counts."""
+    """Runs the scenario on the FSDP model; returns losses, per-pass grads, counts
+    (marked by phase: "forward", "pass1", "pass2", ..., "exit")."""
     losses, grads_after_pass = [], []
     block = (
         no_reshard_between_backwards(model, **scenario.options)
@@ -196,17 +203,25 @@ def fsdp_step(
         else contextlib.nullcontext()
     )
     with count_collectives() as counts:
-        with block:
+        with block as retain:
+            counts.mark("forward")
             out = model(x)
             for i in range(scenario.passes):
+                counts.mark(f"pass{i + 1}")
                 if scenario.zeroes_before(i):
                     opt.zero_grad()
                 loss = LOSSES[i % len(LOSSES)](out)
-                loss.backward(retain_graph=i < scenario.passes - 1)
+                if scenario.probe_first and i == 0:
+                    retain.backward(loss, param_grads=False, retain_graph=True)
+                else:
+                    loss.backward(retain_graph=i < scenario.passes - 1)
                 losses.append(loss.detach())
+                if scenario.between is not None and i < scenario.passes - 1:
+                    scenario.between(model, retain)
                 if scenario.check_between and i < scenario.passes - 1:
                     with counts.excluded():
                         grads_after_pass.append(adapter.full_grads(model))
+            counts.mark("exit")
     grads_after_pass.append(adapter.full_grads(model))
     opt.step()
     opt.zero_grad()
