@@ -72,17 +72,16 @@ refused when it is above 1 (``engine.backward`` scales the loss itself).
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ._common import Liveness, RetainError, grad_tensors, queue_callback, require_attr
+from ._common import RetainError, queue_callback, require_attr
 from . import _pass_start
 from ._deepspeed_grads import PartitionSlots
-from ._deepspeed_graph import backward_after_exit, held_node
+from ._deepspeed_graph import ForwardGraph, ZeroParams, held_node
 from ._lifecycle import BlockBase
 from ._loss_grads import GradSlots
 from ._policy import RetainOptions
@@ -187,21 +186,15 @@ class DeepSpeedBlock(BlockBase):
         self._coordinator = require_attr(offload, "get_param_coordinator", self._flavour)()
         self._root: nn.Module = require_attr(engine, "module", self._flavour)
         self._hooks: list[Any] = []
-        # Autograd nodes of the forwards in the block (with the probe targets):
-        # the engine module's outputs, and its parameters' AccumulateGrad nodes.
-        self._output_nodes: list[Any] = []
-        self._acc_grads: list[Any] = []
-        self._acc_recorded = False
-        self._param_nodes: list[tuple[nn.Parameter, Any]] = []  # node None: see held_node
+        self._graph = ForwardGraph()  # the nodes of the block's forwards
         self._partitions: dict[int, torch.Tensor] = {}
-        self._counters: dict[nn.Module, tuple[int, int]] = {}
+        self._counters = _HookCounters()
         self._reduced = False  # a pass of this block reduce-scattered
         self._bumped_micro_step = False
         self._pending = False  # "last": unreduced gradients held in .grad
         self._saved_coalesce: bool | None = None
-        self._alive = Liveness()  # shared with the guard hooks on the outputs' graphs
         self._prologue: Any = None  # the engine's _backward_prologue, shadowed in the block
-        self._param_ids: set[int] | None = None  # see _graph_inputs
+        self._lookup = ZeroParams(self._root, _INPUTS_REFUSED)  # passes with inputs=
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -231,25 +224,13 @@ class DeepSpeedBlock(BlockBase):
         self._hooks.append(self._root.register_forward_hook(self._record_nodes))
         self._hooks.append(self.model.register_forward_pre_hook(self._refuse_forward_after_held))
         self._partitions = require_attr(self._optimizer, _GRAD_PARTITIONS, flavour)
-        self._acc_grads = _nodes_from_before(self._root, flavour)
+        self._graph.acc_grads.extend(_nodes_from_before(self._root, flavour))
         for module in self._root.modules():
             if "pre_bwd_fn" in module.__dict__:
                 self._hooks.append(self.probe_targets.hook_unit(module))
                 self._hooks.append(module.register_forward_hook(self._guard_outputs))
         self._hooks.extend(self.probe_targets.hook_sources(self._root))
         self._watch()
-
-    def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
-        # ZeRO-3 gathers into the parameter itself: it is the graph's leaf. See
-        # [Note: inputs that name parameters] in _inputs.py.
-        if self._param_ids is None:
-            self._param_ids = {id(p) for p in self._root.parameters()}
-        return [tensor] if id(tensor) in self._param_ids else None
-
-    def _select_grads(self, named: list[torch.Tensor]) -> list[Any]:
-        # Seen: with keep_unsharded=True the next pass fails in ZeRO-3's coordinator
-        # ("active_backward_submodules is empty"), after gradients were written.
-        raise RetainError(_INPUTS_REFUSED)
 
     # See [Note: per-loss gradients] in _loss_grads.py and _deepspeed_grads.py.
     def _check_grads(self) -> None:
@@ -266,10 +247,7 @@ class DeepSpeedBlock(BlockBase):
         return PartitionSlots(self, opt, params, self._partitions, opt.dp_process_group)
 
     def _uninstall(self) -> None:
-        self._alive.exited = True
-        self._output_nodes.clear()
-        self._acc_grads.clear()
-        self._param_nodes.clear()
+        self._graph.clear()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -308,35 +286,19 @@ class DeepSpeedBlock(BlockBase):
                 continue
             param.ds_active_sub_modules.clear()
             self._release(param)
-        for module in self._counters:
-            for name in _COUNTERS:
-                setattr(module, name, 0)
-        self._counters.clear()
+        self._counters.reset()
 
     # Pass boundaries #
     def _record_nodes(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() or self._in_backward():
-            return
-        self._output_nodes.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
-        if self._acc_recorded:
-            return  # held here, so every later forward's graph uses the same nodes
-        self._acc_recorded = True
-        for param in self._root.parameters():
-            if param.requires_grad:
-                # The node this forward's graph holds, if any (ZeRO-3 swaps only .data).
-                node = held_node(param, param.ds_shape, self._flavour)
-                if node is not None:
-                    self._acc_grads.append(node)
-                self._param_nodes.append((param, node))
+        if torch.is_grad_enabled() and not self._in_backward():
+            # ZeRO-3 swaps only .data: a parameter's node records its full shape.
+            self._graph.record(output, self._root, lambda p: p.ds_shape, self._flavour)
 
     def _guard_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
         """Forward hook on each ZeRO-3 module: see ``backward_after_exit``. On the
         engine's outputs it runs before DeepSpeed's own hooks (registered later)."""
-        if not torch.is_grad_enabled() or self._in_backward():
-            return
-        guard = functools.partial(backward_after_exit, self._alive)
-        for tensor in grad_tensors(output):
-            tensor.register_hook(guard)  # lives as long as the graph
+        if torch.is_grad_enabled() and not self._in_backward():
+            self._graph.guard(output)
 
     def _refuse_forward_after_held(self, engine: Any, args: Any) -> None:
         if self._pending and torch.is_grad_enabled() and not self._in_backward():
@@ -351,10 +313,10 @@ class DeepSpeedBlock(BlockBase):
         (a no-op in the block, see [Note: the engine's backward prologue in the block]).
         """
         run = _pass_start.will_run
-        reaches_output = any(map(run, self._output_nodes))
+        reaches_output = any(map(run, self._graph.outputs))
         inputs = (edge.node for edge in self.probe_targets.edges.values())
         if not reaches_output and not any(map(run, inputs)):
-            if any(map(run, self._acc_grads)):
+            if any(map(run, self._graph.acc_grads)):
                 raise RetainError(FORWARD_OUTSIDE)
             return  # another model's backward
         gas = int(self.model.gradient_accumulation_steps())
@@ -365,8 +327,8 @@ class DeepSpeedBlock(BlockBase):
 
     def _on_pass_start(self) -> None:
         index = self._start_pass()
-        if not self.policy.keeps_all:
-            self._rearm_module_hooks(first=index == 1)
+        if not self.policy.keeps_all:  # per-module fetch and release on every pass
+            self._counters.rearm(self._root, first=index == 1)
         if self.probing:
             return
         if self.policy.holds_back and self.policy.is_last(index):
@@ -382,19 +344,6 @@ class DeepSpeedBlock(BlockBase):
 
     def _on_pass_end(self) -> None:
         self._end_pass()
-
-    # keep_unsharded=False: per-module fetch and release on every pass #
-    def _rearm_module_hooks(self, first: bool) -> None:
-        if first:
-            self._counters = {
-                m: tuple(getattr(m, name, 0) for name in _COUNTERS)
-                for m in self._root.modules()
-                if "pre_bwd_fn" in m.__dict__
-            }
-            return
-        for module, values in self._counters.items():
-            for name, value in zip(_COUNTERS, values):
-                setattr(module, name, value)
 
     # Gradients #
     def _accumulate_into_partitions(self) -> None:
@@ -412,12 +361,10 @@ class DeepSpeedBlock(BlockBase):
         from inside the model left the last layer's gradient of the step before).
         A parameter without a held node (``held_node``) is zeroed too: when a
         checkpoint's recompute reaches it after all, its reduction copies over."""
-        run = _pass_start.will_run
-        for param, node in self._param_nodes:
-            if node is None or not run(node):
-                partition = self._partitions.get(param.ds_id)
-                if partition is not None:
-                    partition.zero_()
+        for param in self._graph.unreached(_pass_start.will_run):
+            partition = self._partitions.get(param.ds_id)
+            if partition is not None:
+                partition.zero_()
 
     def _restore_micro_step(self) -> None:
         # optimizer.zero_grad() in between already set it back to 0.
@@ -446,6 +393,30 @@ class DeepSpeedBlock(BlockBase):
                 if param.requires_grad and param.grad is not None:
                     opt.reduce_ready_partitions_and_remove_grads(param)
         opt.independent_gradient_partition_epilogue()
+
+
+class _HookCounters:
+    """ZeRO-3's backward hook counters of each module as pass 1 found them, put back
+    before every later pass (``keep_unsharded=False``: ZeRO-3 fetches and releases
+    per module in every pass), zeroed at the exit."""
+
+    def __init__(self) -> None:
+        self._saved: dict[nn.Module, tuple[int, ...]] = {}
+
+    def rearm(self, root: nn.Module, first: bool) -> None:
+        if first:
+            self._saved = {m: tuple(getattr(m, name, 0) for name in _COUNTERS)
+                           for m in root.modules() if "pre_bwd_fn" in m.__dict__}
+            return
+        for module, values in self._saved.items():
+            for name, value in zip(_COUNTERS, values):
+                setattr(module, name, value)
+
+    def reset(self) -> None:
+        for module in self._saved:
+            for name in _COUNTERS:
+                setattr(module, name, 0)
+        self._saved.clear()
 
 
 def _nodes_from_before(root: nn.Module, flavour: str) -> list[Any]:

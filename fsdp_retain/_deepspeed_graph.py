@@ -1,5 +1,6 @@
 """The autograd side of the DeepSpeed ZeRO-3 backend: the parameters'
-``AccumulateGrad`` nodes, and the guard left on the graphs.
+``AccumulateGrad`` nodes, the nodes of the block's forwards (``ForwardGraph``), the
+guard left on the graphs, and the graph's leaf for a parameter named in ``inputs``.
 
 Part of the DeepSpeed backend with ``_deepspeed.py``, which holds every access
 to DeepSpeed itself; this module sees only tensors, parameters and autograd
@@ -8,12 +9,15 @@ nodes (autograd-private calls as in ``_pass_start.py``).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from ._common import Liveness, RetainError, loud, require_attr
+from ._common import Liveness, RetainError, grad_tensors, loud, require_attr
+from ._inputs import ParamLookup
 
 AFTER_EXIT = (
     "no_reshard_between_backwards: this backward runs over a graph whose forward ran "
@@ -45,3 +49,68 @@ def backward_after_exit(alive: Liveness, grad: torch.Tensor) -> None:
     """Refuses a backward over a module output of the block after the block exited."""
     if alive.exited:
         raise RetainError(AFTER_EXIT)
+
+
+class ForwardGraph:
+    """The autograd nodes of the block's forwards: the engine module's outputs, and its
+    parameters' ``AccumulateGrad`` nodes (``acc_grads`` starts with those a graph from
+    before the block holds)."""
+
+    def __init__(self) -> None:
+        self.alive = Liveness()  # shared with the guard hooks on the outputs' graphs
+        self.outputs: list[Any] = []
+        self.acc_grads: list[Any] = []
+        self.param_nodes: list[tuple[torch.nn.Parameter, Any]] = []  # None: see held_node
+        self._recorded = False
+
+    def record(self, output: Any, root: torch.nn.Module,
+               shape: Callable[[torch.nn.Parameter], Any], flavour: str) -> None:
+        """A forward's ``output``; at the first one the node a graph holds for each
+        trainable parameter of ``root`` (``held_node``, with its full ``shape``). Held
+        here, every later forward's graph uses the same nodes."""
+        self.outputs.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
+        if self._recorded:
+            return
+        self._recorded = True
+        for param in root.parameters():
+            if not param.requires_grad:
+                continue
+            node = held_node(param, shape(param), flavour)
+            if node is not None:
+                self.acc_grads.append(node)
+            self.param_nodes.append((param, node))
+
+    def guard(self, output: Any) -> None:
+        """See ``backward_after_exit``."""
+        guard = functools.partial(backward_after_exit, self.alive)
+        for tensor in grad_tensors(output):
+            tensor.register_hook(guard)  # lives as long as the graph
+
+    def unreached(self, run: Callable[[Any], bool]) -> list[torch.nn.Parameter]:
+        """The parameters a pass (``run``: ``_pass_start.will_run``) does not
+        accumulate into, or whose node is unknown (``held_node``)."""
+        return [param for param, node in self.param_nodes if node is None or not run(node)]
+
+    def clear(self) -> None:
+        self.alive.exited = True
+        self.outputs.clear()
+        self.acc_grads.clear()
+        self.param_nodes.clear()
+
+
+class ZeroParams(ParamLookup):
+    """ZeRO-3 gathers into the parameter itself: it is the graph's leaf. See
+    [Note: inputs that name parameters] in ``_inputs.py``."""
+
+    def __init__(self, root: torch.nn.Module, refusal: str) -> None:
+        self._root = root
+        self._ids: set[int] | None = None
+        self._refusal = refusal
+
+    def graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
+        if self._ids is None:
+            self._ids = {id(p) for p in self._root.parameters()}
+        return [tensor] if id(tensor) in self._ids else None
+
+    def select(self, named: list[torch.Tensor]) -> list[Any]:
+        raise RetainError(self._refusal)

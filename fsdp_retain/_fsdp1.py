@@ -32,7 +32,7 @@ What the block does to FSDP1, per ``FlatParamHandle`` (one per unit):
   by the last known pass, or at block exit by FSDP's own post-backward hook
   and final callback. Between passes ``.grad`` holds these local gradients, as
   in ``no_sync()``; a ``zero_grad()`` between passes is applied to them and to
-  the gradients FSDP holds aside from before the block (``_record_sentinels``).
+  the gradients FSDP holds aside from before the block (``watch_zero_grad``).
 - ``create_graph=True`` backwards need ``keep_unsharded=True`` (refused
   otherwise); FSDP1's hooks work under it as long as nothing is re-gathered.
 - Probe passes (see [Note: probe passes] in ``_common.py``) run under
@@ -85,9 +85,10 @@ from ._common import (
 )
 from ._fsdp1_compat import FLAVOUR, check_installable, internals
 from ._fsdp1_grads import GradLedger
-from ._fsdp1_loss_grads import FlatGradSlots, flat_layout
+from ._fsdp1_loss_grads import FlatGradSlots
 from ._fsdp1_inputs import ParamIndex
 from ._fsdp1_mechanics import (
+    SyncFlags,
     open_inside_root_forward,
     pre_backward,
     probe_reshard,
@@ -99,11 +100,9 @@ from ._fsdp1_mechanics import (
 )
 from ._fsdp1_guards import (
     GRADS_OF_GRADS,
-    NOT_REDUCED,
     PostBackwardCheck,
     check_not_outside,
     check_sharded_grads,
-    refuse,
 )
 from ._fsdp1_units import ForwardRecorder, Unit, backward_order, make_units
 from ._lifecycle import BlockBase
@@ -132,17 +131,15 @@ class FSDP1Block(BlockBase):
         self._hooks: list[Any] = []
         self._states: list[Any] = []  # every FSDP state, also those without parameters
         self._units: list[Unit] = []  # the states with a flat parameter
-        self._saved_sync: list[tuple[Any, bool]] = []  # each state's _sync_gradients
-        self._probe_sync: list[tuple[Any, bool]] = []  # ... before a probe pass
+        self._sync = SyncFlags()  # each state's _sync_gradients
         self._freeing = False  # the last known pass started, or the block exits
-        self._kept_total = 0
         self._pass_open = False
         self._had_sentinels = False
         # See [Note: what the FSDP1 guards check] in _fsdp1_guards.py.
         self._post_backward = PostBackwardCheck()
         self._recorder: ForwardRecorder | None = None
         self._ledger: GradLedger | None = None
-        self._inputs = ParamIndex(self._units)  # passes with inputs=
+        self._lookup = ParamIndex(self._units)  # passes with inputs=
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -158,7 +155,7 @@ class FSDP1Block(BlockBase):
         self._states = list(require_attr(model, "_all_fsdp_states", FLAVOUR))
         check_installable(model, self._states)
         self._units.extend(make_units(model, self._states))
-        self._saved_sync = [(s, s._sync_gradients) for s in self._states]
+        self._sync.save(self._states)
         recorder = self._recorder = ForwardRecorder(
             model, self._units, self._fsdp.post_backward_hook
         )
@@ -195,8 +192,7 @@ class FSDP1Block(BlockBase):
             if unit is not None:
                 self._hooks.extend(recorder.hook_unit(unit, inner_eager))
         if policy.holds_back:
-            for state in self._states:
-                state._sync_gradients = False
+            self._sync.turn_off(self._states)
 
     def _uninstall(self) -> None:
         if self._recorder is not None:
@@ -207,17 +203,9 @@ class FSDP1Block(BlockBase):
         for unit in self._units:
             unit.handle.__dict__.pop("reshard", None)
             unit.handle.__dict__.pop("pre_unshard", None)
-        self._restore_sync()
+        self._sync.restore()
         self._units.clear()
         self._release_model()
-
-    def _kept_count(self) -> int:
-        """Units kept unsharded between passes (for tests; also after the exit)."""
-        return self._kept_total
-
-    def _restore_sync(self) -> None:
-        for state, value in self._saved_sync:
-            state._sync_gradients = value
 
     def _finish(self) -> None:
         """Clean exit: reduce what is still unreduced, reshard everything."""
@@ -225,9 +213,9 @@ class FSDP1Block(BlockBase):
         self.tracker.warn_if_short()
         ledger = self._ledger
         ledger.check_sentinels()
-        self._restore_sync()
+        self._sync.restore()
         # Nothing held back, or the user is inside FSDP's no_sync().
-        if self.policy.holds_back and all(s for _, s in self._saved_sync):
+        if self.policy.holds_back and self._sync.user_syncs():
             if ledger.has_unreduced():
                 ledger.flush()
         reshard_all(self._units)
@@ -238,7 +226,7 @@ class FSDP1Block(BlockBase):
         """Exception exit: no collectives (other ranks may not be here)."""
         self._freeing = True
         pending_local = self.policy.holds_back or self.tracker.in_backward
-        self._restore_sync()
+        self._sync.restore()
         self._reset_iteration_state()
         reshard_all(self._units)
         for unit in self._units:
@@ -274,7 +262,8 @@ class FSDP1Block(BlockBase):
         if not uses:  # another model's backward
             self._ledger.forget_snapshot()
             if self._had_sentinels:
-                self._record_sentinels()  # still watch for a zero_grad() before our next pass
+                # Still watch for a zero_grad() before our next pass.
+                self._ledger.watch_zero_grad(self.policy.holds_back and not self._freeing)
             return
         for unit in self._units:
             unit.accumulating = unit in uses and unit.accumulates(run)
@@ -285,23 +274,13 @@ class FSDP1Block(BlockBase):
             self._ledger.note_selection()
         self._on_pass_start()
         for unit in uses:
-            if not unit.handle._ran_pre_backward_hook and self._runs_early(unit):
+            if not unit.handle._ran_pre_backward_hook and unit.runs_early(run):
                 pre_backward(unit)
         if self._freeing and self.policy.holds_back and not self.probing:
             # The last pass reduces what it accumulates into; the rest at exit.
             for unit in self._units:
                 if not unit.accumulating:
                     unit.state._sync_gradients = False
-
-    def _runs_early(self, unit: Unit) -> bool:
-        """Whether the block must do ``unit``'s pre-backward at the pass start."""
-        if unit.kept:
-            # Nothing to gather: prepare every unit the pass accumulates into,
-            # so no AccumulateGrad runs before FSDP's hook would have.
-            return unit.accumulating
-        # A first-order pass over the forward reaches a unit's parameters only
-        # after its outputs, unless it starts inside the unit.
-        return not unit.reaches_outputs(_pass_start.will_run)
 
     @loud
     def _on_pass_start(self) -> None:
@@ -311,7 +290,7 @@ class FSDP1Block(BlockBase):
         if not model._post_backward_callback_queued:
             # Checked before FSDP finalizes the pass (when FSDP's root
             # pre-backward hook queued its callback first, only after).
-            queue_callback(self._check_post_backward)
+            queue_callback(self._post_backward.check)
             # What FSDP's root pre-backward hook does first, for a pass that
             # does not start at (or never reaches) the root's outputs.
             self._fsdp.register_post_backward_final_callback(model, model)
@@ -321,71 +300,30 @@ class FSDP1Block(BlockBase):
         if self.policy.is_last(index):
             self._freeing = True
             if not self.probing:
-                self._restore_sync()
-
-    @loud
-    def _check_post_backward(self) -> None:
-        unreduced = self._post_backward.unreduced()
-        if unreduced:
-            raise refuse(NOT_REDUCED, unreduced)
+                self._sync.restore()
 
     @loud
     def _on_pass_end(self) -> None:
         self._pass_open = False
         self._end_pass()
-        # Which units this pass reduced: decided before the pass end restores
-        # _sync_gradients (the last pass of sync_grads="last" reduces).
-        reduced = [u for u in self._post_backward.accumulated if u.state._sync_gradients]
-        # FSDP's finalize cleared _post_backward_called only where it reduced.
-        unreduced = [u for u in self._post_backward.unreduced() if u not in reduced]
-        if unreduced:
-            raise refuse(NOT_REDUCED, unreduced)
+        # Before _sync_gradients is restored (the last pass of sync_grads="last" reduces).
+        reduced = self._post_backward.check_at_pass_end()
         self._end_probe()
         if self.policy.holds_back and self._freeing:
-            self._restore_sync()
+            self._sync.restore()
         rearm(self.model, self._units, self._recorder)
         if not self.policy.holds_back:
             self._ledger.clear_unnamed()
-        self._record_sentinels()
+        self._ledger.watch_zero_grad(self.policy.holds_back and not self._freeing)
         check_sharded_grads(reduced)
-
-    def _record_sentinels(self) -> None:
-        if self.policy.holds_back and not self._freeing:
-            self._ledger.record_sentinels()
-        else:
-            self._ledger.forget_sentinels()
 
     # Per-loss gradients: see [Note: per-loss gradients] in _loss_grads.py #
     def _check_grads(self) -> None:
-        if not all(s for _, s in self._saved_sync):
+        if not self._sync.user_syncs():
             raise ValueError(_GRADS_NEED_SYNC)
 
     def _make_grad_slots(self) -> GradSlots:
-        handles = [u.handle for u in self._units]
-        sharded = {h.uses_sharded_strategy for h in handles}
-        groups = {h.process_group for h in handles}
-        if len(sharded) != 1 or len(groups) != 1:
-            raise ValueError(
-                "block.grads() needs every FSDP1 unit of one sharding strategy and "
-                "process group: not supported yet for mixed units."
-            )
-        return FlatGradSlots(handles, groups.pop(), sharded.pop(),
-                             flat_layout(self.model, self._units))
-
-    # Passes with inputs=: see [Note: inputs that name parameters] in _inputs.py #
-    def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
-        return self._inputs.graph_inputs(tensor)
-
-    def _param_storages(self) -> set[int]:
-        return self._inputs.storages()
-
-    def _select_grads(self, named: list[torch.Tensor]) -> list[Any]:
-        return self._inputs.select(named)
-
-    def after_backward(self) -> None:
-        super().after_backward()
-        for unit in self._units:
-            unit.selected = None
+        return FlatGradSlots.of_units(self.model, self._units)
 
     # Probe passes #
     def _hook_unit_inputs(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -402,14 +340,10 @@ class FSDP1Block(BlockBase):
             probe_reshard(unit)
 
     def _before_probe(self) -> None:
-        self._probe_sync = [(s, s._sync_gradients) for s in self._states]
-        for state in self._states:
-            state._sync_gradients = False
+        self._sync.begin_probe(self._states)
 
     def _end_probe(self) -> None:
-        for state, value in self._probe_sync:
-            state._sync_gradients = value
-        self._probe_sync = []
+        self._sync.end_probe()
         if self._ledger is not None:
             self._ledger.restore(self._post_backward.accumulated, self.probing)
 

@@ -34,7 +34,7 @@ from ._fsdp1_units import Unit
 
 @dataclasses.dataclass
 class _Sentinel:
-    """The ``.grad`` tensors a unit showed at the end of a pass (see ``_record_sentinels``)."""
+    """The ``.grad`` tensors a unit showed at the end of a pass (see ``record_sentinels``)."""
 
     flat_grad: torch.Tensor | None
     version: int
@@ -208,6 +208,14 @@ class GradLedger:
     def forget_sentinels(self) -> None:
         for unit in self.units:
             unit.sentinel = None
+
+    def watch_zero_grad(self, held_back: bool) -> None:
+        """After a pass: sentinels where the next pass accumulates onto gradients held
+        back (``held_back``: ``sync_grads="last"`` before the last pass), else none."""
+        if held_back:
+            self.record_sentinels()
+        else:
+            self.forget_sentinels()
 
     def has_sentinels(self) -> bool:
         return any(u.sentinel is not None for u in self.units)

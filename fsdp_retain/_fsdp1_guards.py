@@ -150,6 +150,24 @@ class PostBackwardCheck:
             u for u in self.accumulated if not getattr(u.flat_param, "_post_backward_called", True)
         ]
 
+    @loud
+    def check(self) -> None:
+        """Queued before FSDP1 finalizes a pass: raises where a unit accumulated but
+        FSDP1's post-backward hook did not run."""
+        unreduced = self.unreduced()
+        if unreduced:
+            raise refuse(NOT_REDUCED, unreduced)
+
+    def check_at_pass_end(self) -> list[Unit]:
+        """After FSDP1 finalized the pass, before the block restores ``_sync_gradients``:
+        the units the pass reduced; raises where one accumulated unreduced."""
+        reduced = [u for u in self.accumulated if u.state._sync_gradients]
+        # FSDP's finalize cleared _post_backward_called only where it reduced.
+        unreduced = [u for u in self.unreduced() if u not in reduced]
+        if unreduced:
+            raise refuse(NOT_REDUCED, unreduced)
+        return reduced
+
 
 class _Accumulated:
     # A weak reference: the hook lives on the parameter, the block must not.

@@ -19,9 +19,10 @@ from torch.autograd.graph import GradientEdge
 
 from ._fsdp1_compat import acc_grad_node, orig_params, param_segments, storage_ptrs
 from ._fsdp1_units import Unit
+from ._inputs import ParamLookup
 
 
-class ParamIndex:
+class ParamIndex(ParamLookup):
     """Which unit each parameter the user holds belongs to (built at first use)."""
 
     def __init__(self, units: list[Unit]) -> None:
@@ -78,6 +79,10 @@ class ParamIndex:
                 unit.selected = indices
                 handles.extend(_keep_only(unit, indices))
         return handles
+
+    def forget_selection(self) -> None:
+        for unit in self._units:
+            unit.selected = None
 
 
 def _keep_only(unit: Unit, indices: set[int]) -> list[Any]:

@@ -35,6 +35,19 @@ class FlatGradSlots(GradSlots):
         super().__init__([h.flat_param for h in handles], group, sharded, layout)
         self._handles = handles
 
+    @classmethod
+    def of_units(cls, model: Any, units: list[Unit]) -> FlatGradSlots:
+        """The slots of a block's units: one sharding strategy and process group."""
+        handles = [u.handle for u in units]
+        sharded = {h.uses_sharded_strategy for h in handles}
+        groups = {h.process_group for h in handles}
+        if len(sharded) != 1 or len(groups) != 1:
+            raise ValueError(
+                "block.grads() needs every FSDP1 unit of one sharding strategy and "
+                "process group: not supported yet for mixed units."
+            )
+        return cls(handles, groups.pop(), sharded.pop(), flat_layout(model, units))
+
     def take(self) -> list[tuple[Any, list[Any], list[bool] | None]]:
         saved = []
         for handle in self._handles:

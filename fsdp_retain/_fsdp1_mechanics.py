@@ -20,6 +20,41 @@ from ._fsdp1_units import ForwardRecorder, Unit
 from ._policy import Policy
 
 
+class SyncFlags:
+    """Each FSDP1 state's ``_sync_gradients``: as the block found it (put back for the
+    last pass and at the exit) and as a probe pass found it."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, bool]] = []
+        self._probe: list[tuple[Any, bool]] = []
+
+    def save(self, states: list[Any]) -> None:
+        self._saved = [(s, s._sync_gradients) for s in states]
+
+    def user_syncs(self) -> bool:
+        """The user is not inside FSDP1's ``no_sync()``."""
+        return all(value for _, value in self._saved)
+
+    def restore(self) -> None:
+        for state, value in self._saved:
+            state._sync_gradients = value
+
+    @staticmethod
+    def turn_off(states: list[Any]) -> None:
+        for state in states:
+            state._sync_gradients = False
+
+    def begin_probe(self, states: list[Any]) -> None:
+        self._probe = [(s, s._sync_gradients) for s in states]
+        self.turn_off(states)
+
+    def end_probe(self) -> None:
+        """Idempotent."""
+        for state, value in self._probe:
+            state._sync_gradients = value
+        self._probe = []
+
+
 def should_free(unit: Unit, fsdp_free: bool, *, pass_open: bool, freeing: bool) -> bool:
     """Whether a reshard of ``unit`` frees its unsharded flat parameter.
 

@@ -95,6 +95,16 @@ class Unit:
     def reaches_outputs(self, run: Callable[[Any], bool]) -> bool:
         return any(map(run, self.output_nodes))
 
+    def runs_early(self, run: Callable[[Any], bool]) -> bool:
+        """Whether the block does the unit's pre-backward at the pass start."""
+        if self.kept:
+            # Nothing to gather: prepare every unit the pass accumulates into,
+            # so no AccumulateGrad runs before FSDP's hook would have.
+            return self.accumulating
+        # A first-order pass over the forward reaches a unit's parameters only
+        # after its outputs, unless it starts inside the unit.
+        return not self.reaches_outputs(run)
+
     def forget_forward(self) -> None:
         """Drops what the block's forwards recorded (block exit)."""
         self.regather = False

@@ -2,8 +2,10 @@
 
 Private FSDP2 access lives here and beside it: ``_fsdp2_compat.py`` (what
 differs between torch versions, probed at install), ``_fsdp2_nodes.py`` (which
-states a pass uses), ``_fsdp2_grads.py`` (gradients held back by
-``sync_grads="last"``); ``_fsdp2_inspect.py`` holds readers for tests and the
+states a pass uses; what stands for a parameter named in ``inputs``),
+``_fsdp2_reshard.py`` (the per-group flags, ``reshard_to``, which parameters the
+modules show between passes), ``_fsdp2_grads.py`` (gradients held back by
+``sync_grads="last"``; ``block.grads``' slots); ``_fsdp2_inspect.py`` holds readers for tests and the
 report.
 
 See [Note: why a retained graph needs unsharded storage] in ``_common.py``.
@@ -54,7 +56,7 @@ import torch
 import torch.nn as nn
 
 from . import _pass_start
-from ._common import compiling, is_compiled_in_place, queue_callback, require_attr
+from ._common import is_compiled_in_place, queue_callback, require_attr
 from ._fsdp2_compat import (
     backward_order,
     FLAVOUR,
@@ -62,17 +64,14 @@ from ._fsdp2_compat import (
     PASS_START_HOOK,
     check_installable,
     clear_unsharded_grad,
-    local_storage,
     param_groups,
     reset_iteration,
     run_root_final_callback,
-    replica_weights,
-    shard_group,
     training_state_enum,
 )
-from ._fsdp2_grads import HeldGrads, fsdp2_layout
-from ._fsdp2_nodes import ForwardNodes
-from ._fsdp2_reshard import BetweenPasses
+from ._fsdp2_grads import HeldGrads, fsdp2_grad_slots
+from ._fsdp2_nodes import ForwardNodes, ParamLeaves
+from ._fsdp2_reshard import BetweenPasses, ShownParams
 from ._lifecycle import BlockBase
 from ._loss_grads import GradSlots
 from ._policy import RetainOptions
@@ -102,14 +101,14 @@ class FSDP2Block(BlockBase):
         self._saved_groups: list[tuple[Any, dict[str, Any]]] = []
         self._patched: list[Any] = []
         self._forward_hooks: list[Any] = []
-        self._swapped: set[int] = set()  # ids of groups showing sharded params
+        self._shown = ShownParams(self._groups)  # between passes: see _fsdp2_reshard
         self._prefetch: tuple[list[Any], list[list[int]]] | None = None
         self._held = HeldGrads()  # sync_grads="last": see _fsdp2_grads
         self._pending_unreduced = False
         self._probe_flags: list[tuple[Any, bool, bool]] = []
         self._nodes = ForwardNodes()  # which states a pass uses: see _fsdp2_nodes
         self._kept: set[int] = set()  # ids of the groups kept unsharded between passes
-        self._leaves: dict[int, Any] | None = None  # see _graph_inputs
+        self._lookup = ParamLeaves(self._groups)  # passes with inputs=
         self._between = BetweenPasses()  # the flags, reshard_to: see _fsdp2_reshard
 
     # Entering and leaving (see BlockBase) #
@@ -126,7 +125,7 @@ class FSDP2Block(BlockBase):
     def _install(self) -> None:
         state_ctx = require_attr(self._state, "_state_ctx", FLAVOUR)
         self._states = list(require_attr(state_ctx, "all_states", FLAVOUR))
-        self._groups = [g for s in self._states for g in param_groups(s)]
+        self._groups.extend(g for s in self._states for g in param_groups(s))
         check_installable(self._state, self._states, self._groups)
         for group in self._groups:
             saved = {name: getattr(group, name) for name in GROUP_FLAGS}
@@ -134,6 +133,7 @@ class FSDP2Block(BlockBase):
         self._installed = True
         self._kept = {id(g) for g in self.policy.kept(backward_order(self._states))}
         self._all_kept = len(self._kept) == len(self._groups)
+        self._kept_total = len(self._kept)
         self._between.install(self._groups, self._kept, self.policy, self.frees_now)
         for state in self._states:
             original = getattr(state, PASS_START_HOOK)
@@ -148,17 +148,7 @@ class FSDP2Block(BlockBase):
         self._forward_hooks.extend(self.probe_targets.hook_sources(self.model))
         self._nodes.record_running_root(self._state)
         self._watch()
-        if self._kept:
-            for group in self._groups:
-                if id(group) not in self._kept:
-                    continue
-                for module in group.modules:
-                    if is_compiled_in_place(module):
-                        continue  # its forward shows what FSDP2 set up itself
-                    handle = module.register_forward_pre_hook(
-                        self._show_unsharded_before_forward, prepend=True
-                    )
-                    self._forward_hooks.append(handle)
+        self._forward_hooks.extend(self._shown.hook_forwards(self._kept))
 
     def _block_params(self) -> Callable[[], Iterable[torch.Tensor]]:
         def params() -> list[torch.Tensor]:
@@ -174,10 +164,6 @@ class FSDP2Block(BlockBase):
             return found
 
         return params
-
-    def _kept_count(self) -> int:
-        """Parameter groups kept unsharded between passes (for tests)."""
-        return len(self._kept)
 
     def _uninstall(self) -> None:
         self._nodes.clear()
@@ -223,14 +209,12 @@ class FSDP2Block(BlockBase):
         state_enum = training_state_enum()
         for group, saved in self._saved_groups:
             if user_flags and not saved["reshard_after_backward"] and group.is_unsharded:
-                if id(group) in self._swapped:
-                    for fsdp_param in group.fsdp_params:
-                        fsdp_param._setattr_on_modules(fsdp_param._unsharded_param)
+                self._shown.show_unsharded(group)
                 continue
             if not group.is_sharded:
                 with group.use_training_state(state_enum.IDLE):
                     group.reshard()
-        self._swapped.clear()
+        self._shown.swapped.clear()
 
     def _end_probe(self) -> None:
         for group, reduce_grads, all_reduce_grads in self._probe_flags:
@@ -238,45 +222,13 @@ class FSDP2Block(BlockBase):
             group.all_reduce_grads = all_reduce_grads
         self._probe_flags.clear()
 
-    # Inputs that name parameters: see [Note: inputs that name parameters] #
-    def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
-        if self._leaves is None:  # built at the first pass with inputs
-            self._leaves = {}
-            for group in self._groups:
-                for fsdp_param in group.fsdp_params:
-                    # The graph's leaf; FSDP2 keeps this object across reshards.
-                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                    if unsharded is not None:
-                        self._leaves[id(fsdp_param.sharded_param)] = unsharded
-                        self._leaves[id(unsharded)] = unsharded
-        leaf = self._leaves.get(id(tensor))
-        return None if leaf is None else [leaf]
-
-    def _param_storages(self) -> set[int]:
-        ptrs = set()
-        for group in self._groups:
-            for fsdp_param in group.fsdp_params:
-                ptrs.add(local_storage(fsdp_param.sharded_param).data_ptr())
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None:
-                    ptrs.add(local_storage(unsharded).data_ptr())
-        ptrs.discard(0)
-        return ptrs
-
     # Per-loss gradients: see [Note: per-loss gradients] in _loss_grads.py #
     def _check_grads(self) -> None:
         if not all(saved["reduce_grads"] for _, saved in self._saved_groups):
             raise ValueError(_GRADS_NEED_SYNC)
 
     def _make_grad_slots(self) -> GradSlots:
-        holders = [fp.sharded_param for g in self._groups for fp in g.fsdp_params]
-        groups = {shard_group(p) for p in holders}
-        # 1-D FSDP2 or HSDP: the shards of one group; with tensor parallelism (or
-        # parameters on different meshes) each counts once over all ranks.
-        one = len(groups) == 1 and None not in groups
-        return GradSlots(holders, groups.pop() if one else None, True,
-                         fsdp2_layout(self.model, self._groups),
-                         None if one else replica_weights(holders))
+        return fsdp2_grad_slots(self.model, self._groups)
 
     # Pass boundaries #
     def on_backward_start(self) -> None:
@@ -322,7 +274,7 @@ class FSDP2Block(BlockBase):
             ctx.post_forward_order[:] = order
             for group, group_indices in zip(self._groups, indices):
                 group._post_forward_indices[:] = group_indices
-        self._show_unsharded()
+        self._shown.show_unsharded()
         if policy.holds_back:
             self._held.check()
         if policy.is_last(index):
@@ -348,30 +300,9 @@ class FSDP2Block(BlockBase):
         self._end_pass()
         self._end_probe()
         if self._kept:
-            self._show_sharded()
+            self._shown.show_sharded()
         if self._pending_unreduced:
             self._held.record(self._groups)
-
-    # Between passes: show sharded parameters, keep unsharded storage #
-    def _show_sharded(self) -> None:
-        for group in self._groups:
-            if group.is_unsharded and id(group) not in self._swapped:
-                for fsdp_param in group.fsdp_params:
-                    fsdp_param._setattr_on_modules(fsdp_param.sharded_param)
-                self._swapped.add(id(group))
-
-    def _show_unsharded(self) -> None:
-        if not self._swapped:
-            return
-        for group in self._groups:
-            if id(group) in self._swapped:
-                for fsdp_param in group.fsdp_params:
-                    fsdp_param._setattr_on_modules(fsdp_param._unsharded_param)
-        self._swapped.clear()
-
-    def _show_unsharded_before_forward(self, module: nn.Module, args: Any) -> None:
-        if not compiling():
-            self._show_unsharded()
 
     def _flush_gradients(self) -> None:
         """Reduce-scatters the held-back gradients, as FSDP2's last backward would."""
@@ -382,7 +313,7 @@ class FSDP2Block(BlockBase):
         self._pending_unreduced = False
         if not any(saved["reduce_grads"] for _, saved in self._saved_groups):
             return  # the user asked FSDP2 not to sync (gradient accumulation)
-        self._show_unsharded()
+        self._shown.show_unsharded()
         self._held.forget()
         run_root_final_callback(self._state)
 

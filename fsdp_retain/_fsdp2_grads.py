@@ -16,8 +16,15 @@ from typing import Any
 
 import torch
 
-from ._fsdp2_compat import clear_unsharded_grad, grad_version, has_pending_grad
+from ._fsdp2_compat import (
+    clear_unsharded_grad,
+    grad_version,
+    has_pending_grad,
+    replica_weights,
+    shard_group,
+)
 from ._grad_layout import Layout, Segment, clean_name
+from ._loss_grads import GradSlots
 
 
 @dataclasses.dataclass
@@ -101,3 +108,14 @@ def fsdp2_layout(model: Any, groups: list[Any]) -> Layout:
             if unsharded is not None:
                 tensors[id(unsharded)] = names
     return Layout(model, segments, numels, tensors)
+
+
+def fsdp2_grad_slots(model: Any, groups: list[Any]) -> GradSlots:
+    """Where ``block.grads`` reads and puts gradients: each sharded parameter."""
+    holders = [fp.sharded_param for g in groups for fp in g.fsdp_params]
+    process_groups = {shard_group(p) for p in holders}
+    # 1-D FSDP2 or HSDP: the shards of one group; with tensor parallelism (or
+    # parameters on different meshes) each counts once over all ranks.
+    one = len(process_groups) == 1 and None not in process_groups
+    return GradSlots(holders, process_groups.pop() if one else None, True,
+                     fsdp2_layout(model, groups), None if one else replica_weights(holders))

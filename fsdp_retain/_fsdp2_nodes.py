@@ -5,6 +5,8 @@ state, forward hooks on its modules record the autograd nodes of its outputs
 (where FSDP2's pre-backward hooks are) and of its inputs plus the
 ``AccumulateGrad`` nodes of its unsharded parameters; a pass that runs one of
 them uses the state (``_pass_start.will_run`` answers inside a pass).
+``ParamLeaves`` answers what stands for a parameter in the graph, for passes with
+``inputs``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn as nn
 from . import _pass_start
 from ._common import compiling, grad_tensors, require_attr
 from ._fsdp2_compat import FLAVOUR, forward_running, local_storage, param_groups
+from ._inputs import ParamLookup
 
 
 _NODE_ATTR = "_fsdp_retain_accumulate_node"
@@ -115,3 +118,36 @@ class ForwardNodes:
                     # The AccumulateGrad node this forward's graph uses. Units
                     # resharded after forward are found by their inputs instead.
                     used.append(_accumulate_node(fsdp_param, param))
+
+
+class ParamLeaves(ParamLookup):
+    """What stands for an FSDP2 parameter in the graph: its unsharded parameter, the
+    leaf FSDP2 keeps across reshards (see [Note: inputs that name parameters])."""
+
+    def __init__(self, groups: list[Any]) -> None:
+        self._groups = groups  # the block's list, filled at install
+        self._leaves: dict[int, Any] | None = None  # built at the first pass with inputs
+
+    def graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
+        if self._leaves is None:
+            self._leaves = {}
+            for fsdp_param in self._params():
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    self._leaves[id(fsdp_param.sharded_param)] = unsharded
+                    self._leaves[id(unsharded)] = unsharded
+        leaf = self._leaves.get(id(tensor))
+        return None if leaf is None else [leaf]
+
+    def storages(self) -> set[int]:
+        ptrs = set()
+        for fsdp_param in self._params():
+            ptrs.add(local_storage(fsdp_param.sharded_param).data_ptr())
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                ptrs.add(local_storage(unsharded).data_ptr())
+        ptrs.discard(0)
+        return ptrs
+
+    def _params(self) -> list[Any]:
+        return [fp for group in self._groups for fp in group.fsdp_params]

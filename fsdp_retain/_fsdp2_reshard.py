@@ -1,5 +1,6 @@
 """Where each FSDP2 parameter group goes between passes: the block's per-group flags,
-and resharding to groups of ranks (``reshard_to``).
+resharding to groups of ranks (``reshard_to``), and which parameters the modules of a
+group kept unsharded show (``ShownParams``).
 
 Part of the FSDP2 backend with ``_fsdp2.py`` (private FSDP2 access).
 
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ._common import require_attrs, warn_once
+from ._common import compiling, is_compiled_in_place, require_attrs, warn_once
 from ._fsdp2_compat import FLAVOUR, post_forward_mesh_info, training_state_enum
 from ._policy import Policy
 
@@ -49,6 +50,49 @@ _GROUP_ATTRS = ("_to_sharded_post_forward", "_to_sharded", "is_sharded_post_forw
                 "_training_state", "mesh_info")
 _MESHES_ATTR = "_fsdp_retain_group_meshes"  # on a group: {ranks: its mesh info}
 _PARAM_META_ATTR = "_fsdp_retain_group_meta"  # on an FSDPParam: {ranks: its metadata}
+
+
+class ShownParams:
+    """Between passes the modules of a group kept unsharded show its sharded parameters,
+    as after a plain backward (``model.parameters()``, ``zero_grad()``,
+    ``clip_grad_norm_``); from the next pass, or a forward, the unsharded ones again."""
+
+    def __init__(self, groups: list[Any]) -> None:
+        self._groups = groups  # the block's list, filled at install
+        self.swapped: set[int] = set()  # ids of the groups showing sharded parameters
+
+    def show_sharded(self) -> None:
+        for group in self._groups:
+            if group.is_unsharded and id(group) not in self.swapped:
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param._setattr_on_modules(fsdp_param.sharded_param)
+                self.swapped.add(id(group))
+
+    def show_unsharded(self, group: Any = None) -> None:
+        """Every group (or ``group`` only) shows its unsharded parameters again."""
+        if not self.swapped:
+            return  # a forward's pre-hook on each module of a kept group asks
+        for each in self._groups if group is None else [group]:
+            if id(each) in self.swapped:
+                for fsdp_param in each.fsdp_params:
+                    fsdp_param._setattr_on_modules(fsdp_param._unsharded_param)
+                self.swapped.discard(id(each))
+
+    def hook_forwards(self, kept: set[int]) -> list[Any]:
+        """A forward between passes of a kept group's module shows the unsharded
+        parameters first."""
+        handles = []
+        for group in self._groups:
+            if id(group) in kept:
+                for module in group.modules:
+                    if not is_compiled_in_place(module):  # it shows what FSDP2 set up
+                        handles.append(module.register_forward_pre_hook(
+                            self._before_forward, prepend=True))
+        return handles
+
+    def _before_forward(self, module: Any, args: Any) -> None:
+        if not compiling():
+            self.show_unsharded()
 
 
 def set_group_flags(groups: list[Any], kept: set[int], holds_back: bool) -> None:

@@ -45,6 +45,24 @@ from ._common import RetainError
 from ._probe import reaches_reentrant_checkpoint
 
 
+class ParamLookup:
+    """A backend's parameters for passes with ``inputs``: what stands for one in the
+    graph, their storages, the hooks that restrict a pass to the named ones. This one
+    manages none; ``BlockBase._graph_inputs`` and its siblings ask the block's."""
+
+    def graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
+        return None
+
+    def storages(self) -> set[int]:
+        return set()
+
+    def select(self, named: list[torch.Tensor]) -> list[Any]:
+        return []
+
+    def forget_selection(self) -> None:
+        """After every pass: ``select``'s choice no longer applies."""
+
+
 def map_inputs(block: Any, inputs: tuple, accumulate: bool, roots: list,
                nested: bool = False) -> tuple[tuple, list]:
     """``(inputs for the engine, the managed parameters named)``; raises before the

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from . import _pass_start
 from ._common import ACTIVE_ATTR, RetainError, create_graph_needs_keep
-from ._inputs import map_inputs
+from ._inputs import ParamLookup, map_inputs
 from ._loss_grads import GradSlots, LossGrads
 from ._policy import PassTracker, Policy, RetainOptions
 from ._probe import ProbeTargets, refuse_reentrant_checkpoint
@@ -64,6 +64,8 @@ class BlockBase(abc.ABC):
         self._saved_check: SavedTensorCheck | None = None
         self._step_hook: Any = None
         self._selection: list[Any] = []  # see _inputs.py
+        self._lookup = ParamLookup()  # the backend's, for passes with inputs=
+        self._kept_total = 0  # units kept unsharded between passes, set at install
         self._slots: Any = None  # the backend's GradSlots, made at the first grads()
 
     # The mechanics of one flavour #
@@ -103,22 +105,27 @@ class BlockBase(abc.ABC):
         for handle in self._selection:
             handle.remove()
         self._selection.clear()
+        self._lookup.forget_selection()
 
     def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
         """What stands for ``tensor``, a parameter this block manages, in the
         forward's graph (leaves, or ``GradientEdge``s of their ``AccumulateGrad``
         nodes); ``None`` if it manages no such parameter."""
-        return None
+        return self._lookup.graph_inputs(tensor)
 
     def _param_storages(self) -> set[int]:
         """Data pointers of the managed parameters' storages (unmappable views)."""
-        return set()
+        return self._lookup.storages()
 
     def _select_grads(self, named: list[torch.Tensor]) -> list[Any]:
         """Before a pass whose ``inputs`` name ``named`` (managed parameters):
         graph hooks that keep the pass from writing to the parameters that
         share a leaf with them but are not named; returns their handles."""
-        return []
+        return self._lookup.select(named)
+
+    def _kept_count(self) -> int:
+        """Units kept unsharded between passes (for tests; also after the exit)."""
+        return self._kept_total
 
     def _before_probe(self) -> None:
         """Prepare FSDP before a probe pass starts."""
