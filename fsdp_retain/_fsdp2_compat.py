@@ -15,6 +15,7 @@ time and the block's exit puts back the exact objects it found (a
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -115,7 +116,19 @@ def post_forward_mesh_info(ranks: int, mesh_info: Any) -> Any:
             )
         except ImportError:
             raise missing_internal("_get_post_forward_mesh_info", FLAVOUR) from None
-    return _get_post_forward_mesh_info(ranks, mesh_info)
+    with _real_tensors():
+        return _get_post_forward_mesh_info(ranks, mesh_info)
+
+
+def _real_tensors() -> Any:
+    """Outside any ``FakeTensorMode``: a ``DeviceMesh`` is made from real tensors of rank
+    ids, which fake tensors cannot stand in for (FSDP2 itself fails there, e.g. under
+    ``fully_shard(reshard_after_forward=<int>)`` in a fake-tensor memory estimate)."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # no fake tensors to leave
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()
 
 
 def forward_running(state: Any) -> bool:

@@ -28,10 +28,12 @@ class CollectiveCounts:
     all_gather_bytes: int = 0
     reduce_scatter_bytes: int = 0
     all_reduce_bytes: int = 0
-    # (phase, kind, ranks) -> collectives: ``phase`` the label ``mark`` set last (None
-    # before any), ``kind`` as the fields above (or the op name), ``ranks`` the size of
-    # the collective's process group (None where the op names none).
+    # (phase, kind, ranks) -> collectives, and their bytes as above: ``phase`` the label
+    # ``mark`` set last (None before any), ``kind`` as the fields above (or the op name),
+    # ``ranks`` the size of the collective's process group (None where the op names
+    # none: a functional collective names its group by a string).
     by_group: Counter = dataclasses.field(default_factory=Counter)
+    by_group_bytes: Counter = dataclasses.field(default_factory=Counter)
     _mode: Any = dataclasses.field(default=None, repr=False)
     _excluded: Counter = dataclasses.field(default_factory=Counter, repr=False)
     _excluded_bytes: Counter = dataclasses.field(default_factory=Counter, repr=False)
@@ -54,11 +56,11 @@ class CollectiveCounts:
         """Counts the collectives from now on under ``phase`` in ``by_group``."""
         self._mode.phase = phase
 
-    def groups(self, kind: str, phase: Any = ...) -> Counter:
-        """``kind`` collectives by the size of their process group, in ``phase``
-        (every phase when not given)."""
+    def groups(self, kind: str, phase: Any = ..., *, nbytes: bool = False) -> Counter:
+        """``kind`` collectives (their bytes with ``nbytes``) by the size of their
+        process group, in ``phase`` (every phase when not given)."""
         out: Counter = Counter()
-        for (p, k, ranks), n in self.by_group.items():
+        for (p, k, ranks), n in (self.by_group_bytes if nbytes else self.by_group).items():
             if k == kind and n and (phase is ... or p == phase):
                 out[ranks] += n
         return out
@@ -99,6 +101,10 @@ def _kind(op_name: str) -> str | None:
                  if any(needle in op_name for needle in needles)), None)
 
 
+def _op_name(op) -> str:
+    return str(op).split(".")[-1].lower()
+
+
 def _group_ranks(args, kwargs) -> int | None:
     """The size of the process group a collective runs on: c10d ops take the group
     (a ``ScriptObject``), functional collectives its name."""
@@ -108,6 +114,8 @@ def _group_ranks(args, kwargs) -> int | None:
     c10d: Any = dist.distributed_c10d
     for value in list(args) + list((kwargs or {}).values()):
         try:
+            if isinstance(value, dist.ProcessGroup):
+                return value.size()
             if isinstance(value, torch.ScriptObject):
                 if value._type().qualified_name().endswith("c10d.ProcessGroup"):
                     return dist.ProcessGroup.unbox(value).size()
@@ -118,50 +126,109 @@ def _group_ranks(args, kwargs) -> int | None:
     return None
 
 
+class _Groups:
+    """What both counting modes add to their counts: the bytes of each collective, and
+    each by phase and process-group size (``CollectiveCounts.by_group``)."""
+
+    def _init_groups(self) -> None:
+        self.comm_bytes: Counter = Counter()
+        self.groups: Counter = Counter()
+        self.group_bytes: Counter = Counter()
+        self.phase: str | None = None
+        self.paused = False  # inside CollectiveCounts.excluded()
+
+    def _record(self, op, args, kwargs, out) -> None:
+        size = _unsharded_bytes(args, kwargs, out)
+        self.comm_bytes[op] += size
+        if not self.paused:
+            name = _op_name(op)
+            key = self.phase, _kind(name) or name, _group_ranks(args, kwargs)
+            self.groups[key] += 1
+            self.group_bytes[key] += size
+
+
+# [Note: counting collectives without inspecting every op]
+# CommDebugMode sees every op under it, and for each builds a record for its per-module
+# tables and looks for a fake mode among the arguments: a step of a small model runs
+# about 3x slower under it. What it counts are ops of the c10d namespaces (its
+# ``comm_registry`` and the c10d ops), and it returns DTensor ops unhandled so that
+# DTensor desugars them into collectives it then sees. Any other op on non-DTensor
+# arguments it runs as is: so does ``_ByteCountingCommMode``, without the records. The
+# counts are the same; its per-module operation tables (not read here) lose those ops.
+
+
 def _comm_mode_class():
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    class _ByteCountingCommMode(CommDebugMode):
+    class _ByteCountingCommMode(_Groups, CommDebugMode):
         """``CommDebugMode`` that also adds up the bytes of each collective it counts."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.comm_bytes: Counter = Counter()
-            self.groups: Counter = Counter()  # CollectiveCounts.by_group
-            self.phase: str | None = None
-            self.paused = False  # inside CollectiveCounts.excluded()
+            self._init_groups()
+            self.comm_namespaces = {"c10d"} | {
+                packet._qualified_op_name.split("::")[0] for packet in self.comm_registry
+            }
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # See [Note: counting collectives without inspecting every op].
+            if getattr(func, "namespace", None) not in self.comm_namespaces and not any(
+                issubclass(t, DTensor) for t in types
+            ):
+                return func(*args, **(kwargs or {}))
             before = dict(self.comm_counts)
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if out is not NotImplemented:
                 for op, n in self.comm_counts.items():
                     if n != before.get(op, 0):
-                        self.comm_bytes[op] += _unsharded_bytes(args, kwargs, out)
-                        if not self.paused:
-                            name = str(op).split(".")[-1].lower()
-                            key = self.phase, _kind(name) or name, _group_ranks(args, kwargs)
-                            self.groups[key] += 1
+                        self._record(op, args, kwargs, out)
             return out
 
         def __enter__(self):
-            self.comm_bytes.clear()
+            self._init_groups()
             return super().__enter__()
 
     return _ByteCountingCommMode
 
 
+def _tally_mode_class():
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _CollectiveTally(_Groups, TorchDispatchMode):
+        """The collectives alone, as ``_ByteCountingCommMode`` counts them, without
+        ``CommDebugMode``'s module tracking: see ``count_collectives(modules=False)``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._init_groups()
+            self.comm_counts: Counter = Counter()
+
+        def get_comm_counts(self) -> Counter:
+            return self.comm_counts
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # let DTensor desugar into collectives first
+            out = func(*args, **(kwargs or {}))
+            if getattr(func, "namespace", None) in ("c10d", "_c10d_functional"):
+                op = func._overloadpacket
+                if _kind(_op_name(op)) is not None:
+                    self.comm_counts[op] += 1
+                    self._record(op, args, kwargs, out)
+            return out
+
+    return _CollectiveTally
+
+
 @contextlib.contextmanager
-def count_collectives() -> Iterator[CollectiveCounts]:
+def count_collectives(*, modules: bool = True) -> Iterator[CollectiveCounts]:
     """Counts all-gathers, reduce-scatters and all-reduces issued in the block.
 
     Uses ``torch.distributed.tensor.debug.CommDebugMode``, which sees both the
     c10d ops FSDP1/FSDP2 call and functional collectives. The counts (and the
     ``*_bytes`` fields) are filled in when the block exits.
-
-    ``counts.mark(phase)`` labels what follows; ``counts.by_group`` (and
-    ``counts.groups(kind, phase)``) then splits the counts by phase and by the
-    size of each collective's process group.
 
     ``CommDebugMode`` (torch 2.13) fails on a second forward of the same
     modules inside one block: count each forward and its backward passes in
@@ -173,16 +240,22 @@ def count_collectives() -> Iterator[CollectiveCounts]:
             loss = model(x).sum()
             loss.backward()
         print(counts.all_gather, counts.reduce_scatter)
+
+    ``modules=False`` counts the same collectives (c10d and functional ones) with a plain
+    dispatch mode instead: ``CommDebugMode``'s module tracking keeps one activation alive
+    longer (one hidden state more at the peak of Llama-3-70B's shape at 4096 tokens under
+    ``--simulate-world-size``), which a memory measurement in the same step must not see.
     """
-    mode = _comm_mode_class()()
+    mode = _comm_mode_class()() if modules else _tally_mode_class()()
     counts = CollectiveCounts(_mode=mode)
     with mode:
         yield counts
     counts.by_group.update(mode.groups)
+    counts.by_group_bytes.update(mode.group_bytes)
     totals = Counter(mode.get_comm_counts()) - counts._excluded
     total_bytes = Counter(mode.comm_bytes) - counts._excluded_bytes
     for op, n in totals.items():
-        name = str(op).split(".")[-1].lower()
+        name = _op_name(op)
         counts.by_op[name] = counts.by_op.get(name, 0) + n
         kind = _kind(name)
         if kind is not None:

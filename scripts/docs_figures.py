@@ -387,7 +387,7 @@ def budget_fit_differences() -> str:
 
 def will_it_fit() -> str:
     """will_it_fit.md's table: the simulated runs under docs/report/fit/ (``fit_table``)."""
-    from fsdp_retain.report._figures import fit_table
+    from fsdp_retain.report._fit_figure import fit_table
     from fsdp_retain.report._fit import parse_bytes
     from fsdp_retain.report._rows import Report
 
@@ -491,6 +491,7 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("docs/report/README.md", "(library / recipe 1.07x to 1.18x, `\"last\"` 0.93x to 1.11x "
      "in four runs)", "scripts/bench_recipe.py's output, not committed"),
     ("docs/report/README.md", "at most 518 MiB resident", "/usr/bin/time, not committed"),
+    ("docs/report/README.md", "at most 528 MiB resident", "/usr/bin/time, not committed"),
     ("docs/report/README.md", "at most 497 MiB resident, within 2 minutes and 8 GiB",
      "/usr/bin/time, not committed; the issue's limits"),
     ("docs/report/README.md", "run within 10%", "the tolerance tests/test_report.py asserts"),

@@ -28,6 +28,9 @@ from fsdp_retain.report._rows import BREAKDOWN_KEYS, Report, ReportRow
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("fsdp2", "fsdp1")
 ROW_TYPES = typing.get_type_hints(ReportRow)  # the schema: field -> its type
+# The row fields of --node-size and regather_node (reports before them lack these).
+NODE_SIZE_KEYS = {"reshard_to", "all_gather_bytes_by_group", "all_gather_bytes_between_passes",
+                  "inter_node_all_gather_bytes_between_passes"}
 
 
 def conforms(value, hint) -> bool:
@@ -488,14 +491,16 @@ def test_missing_deepspeed_names_its_extra(monkeypatch, capsys, tmp_path):
                          ids=lambda p: str(p.parent.relative_to(ROOT)))
 def test_committed_reports_read(path):
     """Every committed report.json reads as a ``Report``; written again, its rows keep their
-    keys, order and values (older reports gain ``expected_error`` and
-    ``prefetched_all_gathers``), and docs/report/report.json comes out byte for byte."""
+    keys, order and values (older reports gain ``expected_error``,
+    ``prefetched_all_gathers`` and the ``--node-size`` fields, ``NODE_SIZE_KEYS``), and
+    docs/report/report.json comes out byte for byte."""
     data = json.loads(path.read_text())
     written = Report.from_json(data).to_json()
     assert written["config"] == data["config"]
     for old, new in zip(data["rows"], written["rows"], strict=True):
         assert [(k, v) for k, v in new.items() if k in old] == list(old.items())
-        assert set(new) - set(old) <= {"expected_error", "prefetched_all_gathers"}
+        assert set(new) - set(old) <= {"expected_error", "prefetched_all_gathers",
+                                       *NODE_SIZE_KEYS}
         assert all(conforms(v, ROW_TYPES[k]) for k, v in old.items()), old
     if path == ROOT / "docs/report/report.json":
         assert json.dumps(written, indent=2) + "\n" == path.read_text()

@@ -23,13 +23,13 @@ from fsdp_retain.report._figures import (  # noqa: E402
     MAX_WIDTH_PX,
     MIN_TEXT_PX,
     error_text,
-    fit_figure,
     model_name,
     report_figure,
     smallest_text_px,
     tradeoff_figure,
 )
 from fsdp_retain.report._fit import parse_bytes  # noqa: E402
+from fsdp_retain.report._fit_figure import fit_figure  # noqa: E402
 from fsdp_retain.report._modes import OPTION_TEXTS, option_text  # noqa: E402
 from fsdp_retain.report._rows import Report  # noqa: E402
 

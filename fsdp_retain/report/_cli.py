@@ -34,7 +34,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         help="backends to run, in order (default: fsdp2 fsdp1; deepspeed: "
                         "ZeRO-3, needs deepspeed installed)")
     parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES),
-                        help=" ".join(mode_labels()))
+                        help=" ".join(mode_labels()) + " (regather_node: keep_unsharded=False "
+                        "with reshard_to=<--node-size>, FSDP2 only; needs --node-size)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cpu: gloo; cuda: NCCL, one GPU per rank")
     parser.add_argument("--nproc", type=int, default=None,
@@ -56,6 +57,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--simulate-world-size", type=int, default=None,
                         help="estimate per-rank memory for N ranks in this process (fake process "
                              "group and fake tensors; memory only)")
+    parser.add_argument("--node-size", type=int, default=None, metavar="N",
+                        help="ranks per node (a divisor of the world size, >= 2): the "
+                        "reshard_to of mode regather_node, and the all-gathers on groups of "
+                        "more than N ranks count as inter-node. Not read from the launcher: "
+                        "give it on real launches too")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="non-reentrant activation checkpointing on every decoder layer")
     parser.add_argument("--gpu-memory", nargs="+", default=[], metavar="SIZE",
@@ -87,6 +93,13 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace,
     launcher = "python"
     if "TORCHELASTIC_RUN_ID" in os.environ:
         launcher = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')}"
+    try:
+        return _make_config(args, f"{launcher} {prog} {shlex.join(raw)}".strip())
+    except ValueError as exc:  # a flag's value: usage and the message, exit status 2
+        parser.error(str(exc))
+
+
+def _make_config(args: argparse.Namespace, command: str) -> ReportConfig:
     return ReportConfig(
         backends=tuple(args.backend),
         modes=tuple(args.modes),
@@ -101,9 +114,10 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace,
         out=args.out,
         seed=args.seed,
         timeout=args.timeout,
-        command=f"{launcher} {prog} {shlex.join(raw)}".strip(),
+        command=command,
         activation_checkpointing=args.activation_checkpointing,
         gpu_memory=tuple(parse_bytes(size) for size in args.gpu_memory),
+        node_size=args.node_size,
         **{name: getattr(args, name) for name in DIM_FLAGS},
     )
 

@@ -77,6 +77,8 @@ class ReportConfig:
     command: str = ""
     activation_checkpointing: bool = False  # non-reentrant, on every decoder layer
     gpu_memory: tuple[int, ...] = ()  # bytes per rank: print the largest budget that fits
+    # Ranks per node: regather_node's reshard_to, and which all-gathers leave a node.
+    node_size: int | None = None
 
     def __post_init__(self) -> None:
         self.backends = tuple(self.backends)
@@ -91,6 +93,7 @@ class ReportConfig:
         if "two_forward" not in labels:
             raise ValueError("modes must include two_forward: savings and overheads are against it")
         self.modes = tuple(labels)
+        self.check_node_size(self.simulate_world_size or self.nproc)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in DTYPES:
@@ -109,6 +112,26 @@ class ReportConfig:
                 f"heads by kv_heads ({dims['kv_heads']})"
             )
 
+    def check_node_size(self, world: int | None) -> None:
+        """Raises ``ValueError`` when a mode needs ``node_size`` and it is missing, or it
+        does not divide ``world`` (``None``: not known yet, e.g. one rank per GPU)."""
+        size = self.node_size
+        needs = [m.label for m in self.mode_list() if m.spec.node_groups]
+        if size is None:
+            if needs:
+                raise ValueError(
+                    f"mode {needs[0]} reshards to the ranks of one node: pass --node-size N "
+                    "(e.g. --node-size 8 for 8 GPUs per node; node_size=N in ReportConfig)")
+            return
+        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+            raise ValueError(f"--node-size must be an int >= 2 (the ranks of one node, e.g. "
+                             f"8), got {size!r}")
+        if world is not None and world % size:
+            raise ValueError(
+                f"--node-size {size} does not divide the world size {world}: nodes hold "
+                f"equal numbers of ranks. Pass a divisor of {world} (the ranks per node), "
+                f"or a world size that is a multiple of {size}")
+
     def dims(self) -> dict[str, Any]:
         """The model's shape, ``seq_len`` and ``batch`` (per rank), flags applied."""
         if self.model_config is not None:
@@ -121,7 +144,7 @@ class ReportConfig:
         return dims
 
     def mode_list(self) -> list[Mode]:
-        return [Mode.parse(m) for m in self.modes]
+        return [Mode.parse(m, node_size=self.node_size) for m in self.modes]
 
     def world_size(self) -> int:
         if self.nproc is not None:

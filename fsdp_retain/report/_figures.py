@@ -5,9 +5,9 @@
 - ``tradeoff_figure``: per backend, step time against extra memory, both
   relative to ``two_forward``, the ``keep_unsharded`` budgets joined from
   ``False`` to ``True`` (``tradeoff.png``; timed runs only);
-- ``fit_figure`` and ``fit_table``: per-rank peaks of simulated runs of several
-  models and world sizes against GPU memory lines (``will_it_fit.png`` and
-  ``will_it_fit.md``).
+- ``fit_figure`` and ``fit_table`` (in ``_fit_figure.py``): per-rank peaks of simulated
+  runs of several models and world sizes against GPU memory lines (``will_it_fit.png``
+  and ``will_it_fit.md``).
 
 [Note: readable figures] Every figure is ``WIDTH_IN`` inches wide at ``DPI``
 (at most ``MAX_WIDTH_PX``), and its smallest text is ``MIN_FONT_PT``: shown
@@ -351,102 +351,3 @@ def _label_points(ax, curve: Sequence[ReportRow], xs: Sequence[float],
             groups.append((x, y, [text]))
     for x, y, texts in groups:
         ax.annotate(", ".join(texts), (x, y), xytext=(6, 6), textcoords="offset points")
-
-
-# will_it_fit.png #
-_FIT_ORDER = ("regather:every", "keep25:every", "keep50:every", "keep75:every", "keep:every")
-
-
-def _peaks(report: Report) -> dict[str, int]:
-    return {r.label: r.peak_bytes for r in report.rows if r.ok and r.peak_bytes is not None}
-
-
-def best_fit(peaks: dict[str, int], gpu_bytes: int) -> str | None:
-    """The largest ``keep_unsharded`` (regather, keep25/50/75, keep) whose peak fits."""
-    fits = [label for label in _FIT_ORDER if label in peaks and peaks[label] <= gpu_bytes]
-    return fits[-1] if fits else None
-
-
-def _short(label: str) -> str:
-    """``keep50:every`` -> ``50%``, as on the budget curve (``False``, ..., ``True``)."""
-    name = label.partition(":")[0]
-    return (_budget(name) or (0.0, name))[1]
-
-
-def _fit_reports(reports: Sequence[Report]) -> list[Report]:
-    return sorted(reports, key=lambda r: (r.config["world_size"], r.config["param_count"] or 0))
-
-
-@_styled
-def fit_figure(reports: Sequence[Report], gpu_bytes: Sequence[int]):
-    """One panel per world size; per model, bars of the peak per rank of ``two_forward``,
-    the defaults (``keep:every``), the best budget for each GPU memory (the largest
-    ``keep_unsharded`` that fits, named over its bar) and ``keep_unsharded=False``,
-    with a line per GPU memory."""
-    plt = _plt()
-    reports = _fit_reports(reports)
-    sizes = sorted(gpu_bytes)
-    worlds = list(dict.fromkeys(r.config["world_size"] for r in reports))
-    first = reports[0].config
-    bars: list[tuple[str | int, str, str]] = [
-        ("two_forward", option_text("two_forward"), "0.55"),
-        ("keep:every", option_text("keep:every"), "C0")]
-    bars += [(size, f"largest keep_unsharded within {size / _GIB:.0f} GiB (named)", f"C{2 + i}")
-             for i, size in enumerate(sizes)]
-    bars += [("regather:every", option_text("regather:every"), "C1")]
-    fig, axes = plt.subplots(len(worlds), 1, figsize=(WIDTH_IN, 4.2 * len(worlds) + 1.2),
-                             squeeze=False, sharey=True, layout="constrained")
-    width = 0.8 / len(bars)
-    handles: dict[str, Any] = {}
-    top = max(max(_peaks(r).values()) for r in reports) / _GIB
-    for ax, world in zip((a[0] for a in axes), worlds):
-        mine = [r for r in reports if r.config["world_size"] == world]
-        for g, report in enumerate(mine):
-            peaks = _peaks(report)
-            for b, (key, name, color) in enumerate(bars):
-                x = g + (b - (len(bars) - 1) / 2) * width
-                label = best_fit(peaks, key) if isinstance(key, int) else key
-                if label is None:
-                    ax.text(x, 0.01 * top, " none fits", rotation=90, ha="center",
-                            va="bottom")
-                    continue
-                if label not in peaks:
-                    continue
-                handles[name] = ax.bar([x], [peaks[label] / _GIB], width, color=color)
-                if isinstance(key, int):
-                    ax.annotate(_short(label), (x, peaks[label] / _GIB), xytext=(0, 4),
-                                textcoords="offset points", rotation=90, ha="center",
-                                va="bottom", bbox=dict(facecolor="white", edgecolor="none",
-                                                       pad=0.5))
-        for i, size in enumerate(sizes):
-            handles[f"{size / _GIB:.0f} GiB per GPU"] = ax.axhline(
-                size / _GIB, color="black", ls=("--", ":", "-.")[i % 3], lw=1.2)
-        ax.set_xticks(range(len(mine)), [model_name(r.config) for r in mine])
-        ax.set_ylabel("peak memory per rank (GiB)")
-        ax.set_title(f"{world} ranks")
-        ax.set_ylim(0, 1.3 * max(top, sizes[-1] / _GIB))
-    ac = ", activation checkpointing" if first.get("activation_checkpointing") else ""
-    fig.suptitle(f"Will it fit? {first['dtype']}, batch {first['batch_per_rank']} x "
-                 f"{first['seq_len']} per rank{ac}, simulated")
-    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=2,
-               frameon=False)
-    return fig
-
-
-def fit_table(reports: Sequence[Report], gpu_bytes: Sequence[int]) -> str:
-    """The figure's numbers: peak per rank (GiB) per mode, and the largest
-    ``keep_unsharded`` that fits in each GPU memory."""
-    reports = _fit_reports(reports)
-    modes = ["two_forward", *_FIT_ORDER[::-1]]
-    fits = [f"fits {size / _GIB:.0f} GiB" for size in sorted(gpu_bytes)]
-    lines = ["| model | ranks | " + " | ".join(f"`{m}`" for m in modes) + " | "
-             + " | ".join(fits) + " |",
-             "|---|--:|" + "--:|" * len(modes) + "---|" * len(fits)]
-    for report in reports:
-        peaks = _peaks(report)
-        cells = [f"{peaks[m] / _GIB:.1f}" if m in peaks else "" for m in modes]
-        best = [best_fit(peaks, size) for size in sorted(gpu_bytes)]
-        lines.append(f"| {model_name(report.config)} | {report.config['world_size']} | "
-                     + " | ".join(cells) + " | "
-                     + " | ".join(f"`{b}`" if b else "none" for b in best) + " |")
-    return "\n".join(lines) + "\n"

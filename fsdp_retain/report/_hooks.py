@@ -38,25 +38,50 @@ class TrackerHooks(StepHooks):
         yield
 
 
+# The all-gathers of a step after its first backward: for the library's modes, the
+# re-gathers of the later passes; for ``two_forward``, its second forward and backward.
+LATER = "later"
+
+
 class CountHooks(StepHooks):
     """Counts collectives per forward (``CommDebugMode`` cannot see two forwards at once),
-    and passes the step's phases to ``timeline`` (a ``PrefetchTimeline``) if given."""
+    and passes the step's phases to ``timeline`` (a ``PrefetchTimeline``) if given.
+    All-gathers after the first backward count apart (``LATER``), by process group size."""
 
-    def __init__(self, timeline: Any = None) -> None:
+    def __init__(self, timeline: Any = None, *, modules: bool = True) -> None:
         self.parts: list[Any] = []
         self.timeline = timeline
+        self.modules = modules  # count_collectives(modules=...)
+        self._part = ""
+        self._counts: Any = None  # the CollectiveCounts of the open segment
 
     def mark(self, name: str) -> None:
         if self.timeline is not None:
             self.timeline.mark(name)
+        if name == "backward1_end":
+            self._part = LATER
+            if self._counts is not None:
+                self._counts.mark(LATER)
 
     @contextlib.contextmanager
     def segment(self) -> Iterator[None]:
         from .._measure import count_collectives
 
-        with count_collectives() as counts:
-            yield
+        with count_collectives(modules=self.modules) as counts:
+            self._counts = counts
+            counts.mark(self._part)
+            try:
+                yield
+            finally:
+                self._counts = None
         self.parts.append(counts)
+
+    def group_bytes(self, part: str = LATER) -> dict[int, int]:
+        """All-gather bytes per rank of ``part`` of the step, by process group size."""
+        total: Counter = Counter()
+        for counts in self.parts:
+            total.update(counts.groups("all_gather", part, nbytes=True))
+        return dict(sorted(((n, b) for n, b in total.items() if n is not None), reverse=True))
 
     def totals(self) -> dict[str, int]:
         total: Counter = Counter()
@@ -64,6 +89,20 @@ class CountHooks(StepHooks):
             total.update({k: v for k, v in part.as_dict().items()})
             total.update({f"{k}_bytes": v for k, v in part.bytes_dict().items()})
         return dict(total)
+
+
+class TrackerCountHooks(CountHooks):
+    """Both ``TrackerHooks`` and ``CountHooks`` in one step (``--simulate-world-size``
+    counts in the step it measures memory in: a step costs seconds there)."""
+
+    def __init__(self, tracker) -> None:
+        super().__init__(modules=False)  # nothing that changes the peak
+        self.tracker_hooks = TrackerHooks(tracker)
+
+    @contextlib.contextmanager
+    def segment(self) -> Iterator[None]:
+        with self.tracker_hooks.segment(), super().segment():
+            yield
 
 
 class TimeHooks(StepHooks):

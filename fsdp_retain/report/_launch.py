@@ -142,8 +142,10 @@ def run_report(cfg: ReportConfig) -> dict:
     if cfg.simulate_world_size:
         return simulate(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        cfg.check_node_size(int(os.environ["WORLD_SIZE"]))
         return worker(cfg) or {}
     world = cfg.world_size()
+    cfg.check_node_size(world)
     if world == 1:
         env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(_free_port()))

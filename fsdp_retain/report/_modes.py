@@ -18,11 +18,12 @@ REGATHER_SLACK = 0.05  # regather: this share of the two_forward peak
 KEEP_SLACK_TEXT = f"{KEEP_SLACK:+.0%}"  # "+10%"
 REGATHER_SLACK_TEXT = f"{REGATHER_SLACK:.0%}"  # "5%"
 
-# (sync_grads, two_forward peak bytes, unsharded param bytes) -> (bound bytes, why)
-Bound = Callable[[str | None, int, int], tuple[int, str]]
+# (sync_grads, two_forward peak bytes, unsharded param bytes, reshard_to) -> (bound bytes, why)
+Bound = Callable[[str | None, int, int, int | None], tuple[int, str]]
 
 
-def _keep_bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> tuple[int, str]:
+def _keep_bound(sync_grads: str | None, baseline_peak: int, unsharded: int,
+                reshard_to: int | None) -> tuple[int, str]:
     # sync_grads="last" also holds the unsharded grads of all units until the last backward.
     if sync_grads == "last":
         return (int((1 + KEEP_SLACK) * 2 * unsharded),
@@ -31,7 +32,8 @@ def _keep_bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> t
 
 
 def _budget_bound(fraction: float) -> Bound:
-    def bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> tuple[int, str]:
+    def bound(sync_grads: str | None, baseline_peak: int, unsharded: int,
+              reshard_to: int | None) -> tuple[int, str]:
         budget = int(fraction * unsharded)
         what = f"budget ({fraction:.0%} of unsharded params)"
         if sync_grads == "last":
@@ -42,15 +44,27 @@ def _budget_bound(fraction: float) -> Bound:
     return bound
 
 
-def _accumulate_bound(sync_grads: str | None, baseline_peak: int,
-                      unsharded: int) -> tuple[int, str]:
+def _accumulate_bound(sync_grads: str | None, baseline_peak: int, unsharded: int,
+                      reshard_to: int | None) -> tuple[int, str]:
     # Gradient sync is off for micro-batch 1: its unsharded grads wait for micro-batch 2.
     return (int((1 + KEEP_SLACK) * 2 * unsharded),
             f"unsharded params + unsharded grads of all units {KEEP_SLACK_TEXT}")
 
 
-def _regather_bound(sync_grads: str | None, baseline_peak: int, unsharded: int) -> tuple[int, str]:
+def _regather_bound(sync_grads: str | None, baseline_peak: int, unsharded: int,
+                    reshard_to: int | None) -> tuple[int, str]:
     return int(REGATHER_SLACK * baseline_peak), f"{REGATHER_SLACK_TEXT} of two_forward peak"
+
+
+def _node_bound(sync_grads: str | None, baseline_peak: int, unsharded: int,
+                reshard_to: int | None) -> tuple[int, str]:
+    # Between passes each rank also holds 1/reshard_to of the unsharded parameters, and
+    # a re-gather from them copies the unit's 1/reshard_to into its all-gather input
+    # (at most as much again) before it frees it.
+    assert reshard_to, "regather_node rows pass reshard_to"
+    return (int(REGATHER_SLACK * baseline_peak + (1 + KEEP_SLACK) * 2 * unsharded / reshard_to),
+            f"{REGATHER_SLACK_TEXT} of two_forward peak + 2/{reshard_to} of the unsharded "
+            f"params {KEEP_SLACK_TEXT}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +86,8 @@ class ModeSpec:
     block), ``"accumulate_gathered"`` (the same with the user's
     ``set_reshard_after_backward(False)``); ``short_what``: ``what`` in the plot's
     legend; ``fsdp2_only``: the mode calls FSDP2's own methods, so on other backends
-    its row is not applicable (recorded as an expected ``ValueError``).
+    its row is not applicable (recorded as an expected ``ValueError``); ``node_groups``:
+    the block's ``reshard_to`` is the report's ``--node-size`` (``Mode.reshard_to``).
     """
 
     name: str
@@ -87,6 +102,7 @@ class ModeSpec:
     step: str | None = None
     short_what: str | None = None  # ``what`` in the plot's legend, if shorter
     fsdp2_only: bool = False
+    node_groups: bool = False
 
     def __post_init__(self) -> None:
         if self.fsdp2_only:
@@ -130,6 +146,15 @@ MODES: dict[str, ModeSpec] = {
         ModeSpec("regather", "the library, keep_unsharded=False",
                  block=dict(keep_unsharded=False), sync_grads=("every", "last"),
                  bound=_regather_bound),
+        ModeSpec("regather_node", "the library, keep_unsharded=False, reshard_to=<--node-size>: "
+                 "between passes each unit is resharded to the ranks of one node, so the "
+                 "later passes all-gather inside the node",
+                 block=dict(keep_unsharded=False), sync_grads=("every", "last"),
+                 bound=_node_bound, node_groups=True,
+                 expected_crash={backend: "reshard_to needs FSDP2 (fully_shard): the library "
+                                 "refuses it on " + name
+                                 for backend, name in (("fsdp1", "FSDP1"),
+                                                       ("deepspeed", "ZeRO-3"))}),
         *(
             ModeSpec(f"keep{pct}", f"the library, keep_unsharded=<{pct}% of the unsharded "
                      "parameter bytes> (a byte budget: the units nearest the output kept)",
@@ -166,10 +191,10 @@ DEFAULT_MODES = ("two_forward", "naive", "keep:every", "keep:last", "probe:every
 MARKED_MODES = ("two_forward", "keep", "probe")
 
 
-def mode_legend(label: str, *, short: bool = False) -> str:
+def mode_legend(label: str, *, short: bool = False, node_size: int | None = None) -> str:
     """What a mode label means, e.g. ``keep:last`` -> the library call with its options;
-    ``short``: the options only (for the plot)."""
-    mode = Mode.parse(label)
+    ``short``: the options only (for the plot); ``node_size``: the report's ``--node-size``."""
+    mode = Mode.parse(label, node_size=node_size)
     what = (mode.spec.short_what if short else None) or mode.spec.what
     if not mode.uses_library:
         if mode.spec.step == "recipe" and mode.sync_grads == "last":
@@ -182,6 +207,8 @@ def mode_legend(label: str, *, short: bool = False) -> str:
     }
     if budget is not None:
         options["keep_unsharded"] = f"<{budget:.0%} of the unsharded parameter bytes>"
+    if mode.spec.node_groups and mode.reshard_to is None:
+        options["reshard_to"] = "<--node-size>"
     prefix = f"{what}: " if mode.spec.step else ""
     text = ", ".join(
         f"{key}={value}" if not isinstance(value, str) or value.startswith("<")
@@ -208,6 +235,7 @@ OPTION_TEXTS: dict[str, str] = {
     "probe:every": "backward 1 a probe pass",
     "check:every": "check_saved_tensors=True",
     "regather:every": "keep_unsharded=False",
+    "regather_node:every": "keep_unsharded=False, reshard_to=<ranks per node>",
     **{f"keep{pct}:every": f"keep_unsharded=<{pct}% of the bytes>" for pct in (25, 50, 75)},
     "fsdp2_recipe:every": "FSDP2 alone, its recipe (pytorch #172543; no library)",
     "fsdp2_recipe:last": "FSDP2 alone, its recipe, gradient sync off for backward 1",
@@ -231,21 +259,26 @@ class Mode:
     """One mode with its ``sync_grads``; ``label`` is ``name[:sync_grads]``.
 
     ``budget_bytes``: ``keep_unsharded`` as these bytes (``fit`` simulates such budgets;
-    label ``keep_unsharded=<bytes>:<sync_grads>``).
+    label ``keep_unsharded=<bytes>:<sync_grads>``). ``reshard_to``: the block's
+    ``reshard_to`` in a ``node_groups`` mode (the report's ``--node-size``).
     """
 
     name: str
     sync_grads: str | None = None
     budget_bytes: int | None = None
+    reshard_to: int | None = None
 
     @classmethod
-    def parse(cls, text: str) -> Mode:
+    def parse(cls, text: str, *, node_size: int | None = None) -> Mode:
+        """``keep:last`` -> its ``Mode``; ``node_size`` becomes the ``reshard_to`` of a
+        ``node_groups`` mode."""
         name, _, sync = text.partition(":")
         spec = MODES.get(name)
+        reshard_to = node_size if spec is not None and spec.node_groups else None
         if spec is not None and not spec.sync_grads and not sync:
-            return cls(name)
+            return cls(name, reshard_to=reshard_to)
         if spec is not None and spec.sync_grads and (not sync or sync in spec.sync_grads):
-            return cls(name, sync or spec.sync_grads[0])
+            return cls(name, sync or spec.sync_grads[0], reshard_to=reshard_to)
         labels = mode_labels()
         raise ValueError(f"unknown mode {text!r}: use {', '.join(labels[:-1])} or {labels[-1]}")
 
@@ -272,4 +305,6 @@ class Mode:
         elif self.spec.budget is not None:
             assert unsharded_bytes is not None, f"{self.label} needs the unsharded bytes"
             options["keep_unsharded"] = int(self.spec.budget * unsharded_bytes)
+        if self.reshard_to is not None:
+            options["reshard_to"] = self.reshard_to
         return options

@@ -72,10 +72,49 @@ def _header(cfg: dict, unit: str, size: int) -> list[str]:
     )
 
 
-def _legend(rows: list[ReportRow]) -> list[str]:
+def _legend(rows: list[ReportRow], node_size: int | None) -> list[str]:
     labels = list(dict.fromkeys(r.label for r in rows))
     return ["## Modes", "", "| mode | what runs |", "|---|---|"] + [
-        f"| `{label}` | {mode_legend(label)} |" for label in labels
+        f"| `{label}` | {mode_legend(label, node_size=node_size)} |" for label in labels
+    ]
+
+
+def _amount(value: int | None, size: int) -> str:
+    """Bytes in units of ``size``; none at all is ``0``, not ``0.0``."""
+    return "-" if value is None else "0" if value == 0 else f"{value / size:.1f}"
+
+
+def _by_group(value: dict[str, int] | None, size: int) -> str:
+    """``{"64": bytes, "8": bytes}`` -> ``64 ranks: 65.7; 8 ranks: 8.2``."""
+    if value is None:
+        return "-"
+    if not any(value.values()):
+        return "0"
+    return "; ".join(f"{ranks} ranks: {_amount(n, size)}" for ranks, n in value.items() if n)
+
+
+def _group_table(rows: list[ReportRow], node_size: int | None) -> list[str]:
+    """All-gathers per step, and those after the first backward by the ranks of their
+    group (the whole world or a node), with the bytes that leave a node."""
+    counted = [r for r in rows if r.all_gather_bytes_by_group is not None]
+    if not counted:
+        return []
+    largest = max((r.all_gather_bytes_per_step or 0 for r in counted), default=0)
+    unit, size = next(((n, s) for n, s in _UNITS if largest >= 10 * s), ("KiB", 2**10))
+    node = f"{node_size} ranks per node" if node_size else "no --node-size"
+    return [
+        f"## All-gathers by group (per rank, one step; {node})",
+        "",
+        f"| backend | mode | all-gathers | all-gather {unit} | by group ({unit}) | between "
+        f"passes, by group ({unit}) | inter-node all-gather bytes between passes ({unit}) |",
+        "|---|---|--:|--:|---|---|--:|",
+    ] + [
+        f"| {r.backend} | {_mode_cell(r)} | {_num(r.all_gathers_per_step, '{}')} | "
+        f"{_amount(r.all_gather_bytes_per_step, size)} | "
+        f"{_by_group(r.all_gather_bytes_by_group, size)} | "
+        f"{_by_group(r.all_gather_bytes_between_passes, size)} | "
+        f"{_amount(r.inter_node_all_gather_bytes_between_passes, size)} |"
+        for r in counted
     ]
 
 
@@ -196,7 +235,11 @@ def render_markdown(report: Report) -> str:
     cfg, rows = report.config, report.rows
     unit, size = _unit(rows)
     ok_rows = [r for r in rows if r.ok]
-    lines = _header(cfg, unit, size) + [""] + _legend(rows) + [""] + _memory_table(rows, unit, size)
+    lines = (_header(cfg, unit, size) + [""] + _legend(rows, cfg.get("node_size")) + [""]
+             + _memory_table(rows, unit, size))
+    groups = _group_table(ok_rows, cfg.get("node_size"))
+    if groups:
+        lines += [""] + groups
     if not cfg["simulated"]:
         lines += [""] + _time_table(ok_rows)
         for extra in (_probe_lines(ok_rows), _check_lines(ok_rows), _recipe_lines(ok_rows)):
@@ -236,8 +279,19 @@ def _notes(cfg: dict, rows: list[ReportRow]) -> list[str]:
         "- Bounds on the overhead against `two_forward`: `keep` at most the unsharded params of "
         f"all units {KEEP_SLACK_TEXT} (with `sync_grads=\"last\"` also their unsharded grads, "
         f"which wait for the last backward); `regather` at most {REGATHER_SLACK_TEXT} of the "
-        "`two_forward` peak.",
+        "`two_forward` peak; `regather_node` that plus 2/`reshard_to` of the unsharded "
+        f"params {KEEP_SLACK_TEXT} (each rank's share of its node's copy between passes, "
+        "and as much again, at most, for the all-gather input of a unit re-gathered from "
+        "it).",
     ]
+    if any(r.all_gather_bytes_by_group is not None for r in rows):
+        notes.append(
+            "- All-gathers by group: bytes of each all-gather's output (per rank) under "
+            "`CommDebugMode`, by the ranks of the process group that issued it. Between "
+            "passes: issued after the first backward (the later passes' re-gathers; for "
+            "`two_forward` its second forward and backward). Inter-node: of those, on groups "
+            "of more ranks than `--node-size` (a group of FSDP2's is consecutive ranks, and "
+            "launchers number ranks node by node).")
     if not cfg["simulated"]:
         notes += [
             f"- Step time: median of {cfg['timed_steps']} steps after {cfg['warmup_steps']} "

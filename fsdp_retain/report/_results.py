@@ -38,6 +38,7 @@ def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dic
                 mode.block_options(meta.get("unsharded_param_bytes") or 0)["keep_unsharded"]
                 if mode.uses_library else None
             ),
+            reshard_to=mode.reshard_to,
             backwards=BACKWARDS if mode.uses_library else None,
             ok=error is None,
             error=error,
@@ -71,11 +72,27 @@ def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dic
                 row.all_reduces_per_step = counts.get("all_reduce", 0)
                 row.all_gather_bytes_per_step = counts.get("all_gather_bytes", 0)
                 row.reduce_scatter_bytes_per_step = counts.get("reduce_scatter_bytes", 0)
+                _group_split(row, first, cfg.node_size)
             prefetch = first.get("prefetch")
             if prefetch is not None:
                 row.prefetched_all_gathers = list(prefetch)
         rows.append(row)
     return rows
+
+
+def _group_split(row: ReportRow, result: dict, node_size: int | None) -> None:
+    """All-gather bytes by group size, and those between passes that leave a node: on a
+    group of more than ``node_size`` ranks (FSDP2's groups are consecutive ranks, and
+    launchers number the ranks node by node)."""
+    first = result.get("all_gather_group_bytes", {})
+    later = result.get("later_all_gather_group_bytes", {})
+    row.all_gather_bytes_by_group = {
+        str(ranks): first.get(ranks, 0) + later.get(ranks, 0)
+        for ranks in sorted({*first, *later}, reverse=True)}
+    row.all_gather_bytes_between_passes = {str(ranks): n for ranks, n in later.items()}
+    if node_size is not None:
+        row.inter_node_all_gather_bytes_between_passes = sum(
+            n for ranks, n in later.items() if ranks > node_size)
 
 
 def unexpected_failures(report: dict[str, Any]) -> list[ReportRow]:
@@ -97,7 +114,7 @@ def memory_bound(row: ReportRow, baseline_peak: int,
     bound = MODES[row.mode].bound
     if bound is None:
         return None, ""
-    return bound(row.sync_grads, baseline_peak, unsharded_bytes)
+    return bound(row.sync_grads, baseline_peak, unsharded_bytes, row.reshard_to)
 
 
 # One RL actor step on one H200 (forward, log-prob backward, second forward, loss
@@ -211,6 +228,7 @@ def config_dict(cfg: ReportConfig, world: int, meta: dict, device) -> dict[str, 
         "process_group": ("fake" if cfg.simulate_world_size
                           else "nccl" if device.type == "cuda" else "gloo"),
         "world_size": world,
+        "node_size": cfg.node_size,
         "simulated": bool(cfg.simulate_world_size),
         "dtype": cfg.dtype,
         "size": None if cfg.model_config else cfg.size,

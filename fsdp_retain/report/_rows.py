@@ -32,6 +32,7 @@ class ReportRow:
     backend: str
     sync_grads: str | None
     keep_unsharded: bool | int | None = None  # the library's option (None: no library)
+    reshard_to: int | None = None  # the library's option (regather_node: --node-size)
     backwards: int | None = None  # passed to the library (None: no library)
     ok: bool
     error: str | None
@@ -59,6 +60,12 @@ class ReportRow:
     all_reduces_per_step: int | None = None
     all_gather_bytes_per_step: int | None = None
     reduce_scatter_bytes_per_step: int | None = None
+    # All-gather bytes per rank by the ranks of the group that issued them ("64": bytes):
+    # of the step, and of its passes after the first backward (``_hooks.LATER``).
+    all_gather_bytes_by_group: dict[str, int] | None = None
+    all_gather_bytes_between_passes: dict[str, int] | None = None
+    # Of those between passes, on groups larger than --node-size (None: no --node-size).
+    inter_node_all_gather_bytes_between_passes: int | None = None
     # [prefetched, could be] backward all-gathers (FSDP on real ranks).
     prefetched_all_gathers: list[int] | None = None
     # Against the two_forward row of the same backend (``add_comparisons``).

@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 from ._config import ReportConfig
-from ._hooks import NO_HOOKS, CountHooks, TimeHooks, TrackerHooks
+from ._hooks import NO_HOOKS, CountHooks, TimeHooks, TrackerCountHooks, TrackerHooks
 from ._memory import make_tracker
 from ._fit import unit_bytes
 from ._model import build_model, decoder_layers, fsdp_units, make_batch, param_bytes, wrap
@@ -234,11 +234,18 @@ class BackendRun:
         hooks = CountHooks(timeline)
         with timeline.recording() if timeline is not None else contextlib.nullcontext():
             train_step(self.model, self.optimizer, self.batch, mode, hooks, self.unsharded)
-        self.results[mode.label]["counts"] = hooks.totals()
+        self.keep_counts(mode, hooks)
         if timeline is not None:
             self.results[mode.label]["prefetch"] = timeline.counts()
 
-    def memory(self, mode: Mode) -> None:
+    def keep_counts(self, mode: Mode, hooks: CountHooks) -> None:
+        result = self.results[mode.label]
+        result["counts"] = hooks.totals()
+        result["all_gather_group_bytes"] = hooks.group_bytes("")
+        result["later_all_gather_group_bytes"] = hooks.group_bytes()
+
+    def memory(self, mode: Mode, *, count: bool = False) -> None:
+        """The peak of one step; ``count``: also its collectives (on CPU, in the same step)."""
         import torch
 
         result = self.results[mode.label]
@@ -250,7 +257,7 @@ class BackendRun:
             result["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             result["memory_source"] = "torch.cuda.max_memory_allocated"
         if self.device.type != "cuda":
-            self.tracked_step(mode)
+            self.tracked_step(mode, count=count)
             return
         # On GPU the peak above stands even if torch's tracker fails on this version.
         error = None
@@ -264,13 +271,14 @@ class BackendRun:
             self.log(f"{mode.label}: no breakdown: {error}")
             self.build()
 
-    def tracked_step(self, mode: Mode) -> None:
+    def tracked_step(self, mode: Mode, *, count: bool = False) -> None:
         result = self.results[mode.label]
         tracker = make_tracker(self.model, self.optimizer, self.batch, self.backend)
+        hooks = TrackerCountHooks(tracker) if count else TrackerHooks(tracker)
         with tracker:
-            train_step(
-                self.model, self.optimizer, self.batch, mode, TrackerHooks(tracker), self.unsharded
-            )
+            train_step(self.model, self.optimizer, self.batch, mode, hooks, self.unsharded)
+        if isinstance(hooks, TrackerCountHooks):
+            self.keep_counts(mode, hooks)
         peak, breakdown, detail = tracker.peak_breakdown(self.device.type)
         result["tracker"] = tracker.torch_tool
         result["tracker_peak_bytes"] = peak

@@ -2,8 +2,9 @@
 
 A fake process group stands in for the other ranks and fake tensors for the
 data, so nothing is computed and no memory is allocated; torch's memory
-trackers see every allocation a rank would make. With more than one core,
-the backends after the first run in processes of their own, in parallel.
+trackers see every allocation a rank would make, and ``CommDebugMode`` (in the
+same step) every collective with the size of its process group. With more than
+one core, the backends after the first run in processes of their own, in parallel.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def _measure(run: BackendRun) -> None:
     run.log(f"{run.meta['fsdp_units']} FSDP units, {run.meta['param_count'] / 1e6:.1f}M params")
     for mode in run.modes:
         start = time.monotonic()
-        if run.guarded(mode, "memory", partial(run.memory, mode)):
+        if run.guarded(mode, "memory", partial(run.memory, mode, count=True)):
             peak = run.results[mode.label]["peak_bytes"]
             shown = f"{peak / 2**30:.2f} GiB" if peak >= 2**30 else f"{peak / 2**20:.1f} MiB"
             run.log(f"{mode.label}: peak {shown} per rank ({time.monotonic() - start:.0f}s)")

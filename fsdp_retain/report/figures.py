@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _draw(args: argparse.Namespace, out: Path) -> list[Path]:
-    from ._figures import fit_figure, fit_table, save
+    from ._figures import save
+    from ._fit_figure import fit_figure, fit_table
     from ._output import write_figures
 
     written: list[Path] = []
