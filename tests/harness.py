@@ -88,11 +88,12 @@ EXIT_ABORT = "terminate called without an active exception"
 
 
 def run_retrying_exit_abort(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    """``subprocess.run`` (output captured as text), once more only when it ended in
-    gloo's exit-time abort: a rank killed at interpreter exit after the script's own
-    checks passed. That abort is torch's (docs/limits.md); any other failure is final.
+    """``subprocess.run`` (output captured as text), again (up to 3 runs) only when it
+    ended in gloo's exit-time abort: a rank killed at interpreter exit after the script's
+    own checks passed. That abort is torch's (docs/limits.md), and on a loaded machine two
+    in a row were seen; any other failure is final.
     """
-    for _ in range(2):
+    for _ in range(3):
         proc = subprocess.run(args, capture_output=True, text=True, **kwargs)
         if proc.returncode == 0 or EXIT_ABORT not in proc.stdout + proc.stderr:
             break
