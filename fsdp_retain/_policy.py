@@ -129,9 +129,10 @@ def reshard_to_refusal(
     if backend == "DeepSpeed ZeRO-3":
         return ValueError(
             f"no_reshard_between_backwards(reshard_to={reshard_to}) needs FSDP2 "
-            "(fully_shard), got a DeepSpeed ZeRO-3 model. ZeRO-3 reshards to every rank; "
-            "the block does not use ZeRO++'s secondary partition "
-            f"(zero_hpz_partition_size). Drop reshard_to, or {fsdp2}."
+            "(fully_shard), got a DeepSpeed ZeRO-3 model. On ZeRO-3 the re-gathers "
+            "between passes stay inside groups of N ranks with ZeRO++'s hierarchical "
+            f"partitioning: set \"zero_hpz_partition_size\": {reshard_to} in the DeepSpeed "
+            f"config's zero_optimization and drop reshard_to, or {fsdp2}."
         )
     where = "" if group is None else (
         f" whose unit {group.unit!r} uses {group.strategy} over {group.ranks} rank(s)"

@@ -204,6 +204,7 @@ class Scenario:
     interleave: bool = False
     forward_outside: bool = False  # forward 0 runs before the block is entered
     mixed: bool = False  # every pass's loss sums its loss over all the forwards
+    hpz: int = 0  # ZeRO++'s zero_hpz_partition_size (0: not configured)
 
     def options(self) -> dict:
         return dict(
@@ -340,7 +341,9 @@ def expected_counts(engine, scenario: Scenario) -> dict:
 
 
 def run_parity(scenario: Scenario, check_counts: bool = True) -> None:
-    zero = dict(stage3_param_persistence_threshold=100_000) if scenario.persist else {}
+    zero: dict = dict(stage3_param_persistence_threshold=100_000) if scenario.persist else {}
+    if scenario.hpz:
+        zero["zero_hpz_partition_size"] = scenario.hpz
     engine, ref = make_engine(ds_config(gas=scenario.gas, bf16=scenario.bf16, **zero))
     check_counts = check_counts and not scenario.persist
     persistent = [p.ds_persist for p in engine.module.parameters()]

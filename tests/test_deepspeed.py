@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO-3 backend, CPU/gloo, world size 2: the cases of
-``tests/cases_deepspeed.py`` in one launch, then the accelerate example with
+``tests/cases_deepspeed.py`` in one launch, the hpZ cases of
+``tests/cases_deepspeed_hpz.py`` on 4 ranks, then the accelerate example with
 ``zero3.yaml`` and the report's ``deepspeed`` rows.
 
 Skipped when deepspeed is not installed (it is an optional extra:
@@ -15,6 +16,7 @@ from tests.harness import case_tests  # noqa: E402
 
 
 case_tests(globals(), "tests.cases_deepspeed", {"test_deepspeed": (2, 900)})
+case_tests(globals(), "tests.cases_deepspeed_hpz", {"test_deepspeed_hpz": (4, 600)})
 
 
 def test_accelerate_zero3_train():
