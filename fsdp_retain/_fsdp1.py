@@ -86,6 +86,7 @@ from ._common import (
 from ._fsdp1_compat import FLAVOUR, check_installable, internals
 from ._fsdp1_grads import GradLedger
 from ._fsdp1_loss_grads import FlatGradSlots
+from ._fsdp1_nested import FSDP1Span
 from ._fsdp1_inputs import ParamIndex
 from ._fsdp1_mechanics import (
     SyncFlags,
@@ -107,6 +108,7 @@ from ._fsdp1_guards import (
 from ._fsdp1_units import ForwardRecorder, Unit, backward_order, make_units
 from ._lifecycle import BlockBase
 from ._loss_grads import GradSlots
+from ._nested import Span
 from ._policy import RetainOptions
 
 
@@ -238,6 +240,9 @@ class FSDP1Block(BlockBase):
             unit, free_unsharded_flat_param, pass_open=self._pass_open, freeing=self._freeing
         )
         original(free)
+
+    def _open_span(self) -> Span:
+        return FSDP1Span(self._units, self.probing)
 
     # Called by _pass_start around every backward while installed #
     def before_backward(self) -> None:

@@ -61,10 +61,11 @@ def should_free(unit: Unit, fsdp_free: bool, *, pass_open: bool, freeing: bool) 
     ``fsdp_free`` is FSDP's own answer (``_post_forward_reshard``,
     ``_should_free_in_backward``); ``pass_open``: a pass of the block runs;
     ``freeing``: its last known pass runs, or the block exits. See [Note: why a
-    retained graph needs unsharded storage].
+    retained graph needs unsharded storage]; a unit nested passes run through
+    stays gathered until their span closes (see [Note: nested backward passes]).
     """
     handle = unit.handle
-    if not handle.uses_sharded_strategy:
+    if not handle.uses_sharded_strategy or unit.in_span:
         return False
     phase, states = handle._training_state, internals().HandleTrainingState
     if phase == states.FORWARD:  # post-forward reshard

@@ -47,6 +47,7 @@ class Unit:
     handle: Any  # its FlatParamHandle
     name: str  # for errors
     kept: bool = False  # unsharded between passes (the budget)
+    in_span: bool = False  # nested passes run through it: see _fsdp1_nested
     # A forward with grad before the block whose backward has not run: the
     # AccumulateGrad node FSDP1 hooked for it.
     outside: Any = None

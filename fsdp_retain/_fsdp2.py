@@ -70,10 +70,12 @@ from ._fsdp2_compat import (
     training_state_enum,
 )
 from ._fsdp2_grads import HeldGrads, fsdp2_grad_slots
+from ._fsdp2_nested import FSDP2Span
 from ._fsdp2_nodes import ForwardNodes, ParamLeaves
 from ._fsdp2_reshard import BetweenPasses, ShownParams
 from ._lifecycle import BlockBase
 from ._loss_grads import GradSlots
+from ._nested import Span
 from ._policy import RetainOptions
 
 
@@ -249,8 +251,13 @@ class FSDP2Block(BlockBase):
                 # The pass starts inside this unit: gather it before its nodes run.
                 state._pre_backward(torch.empty(0))
 
+    def _open_span(self) -> Span:
+        return FSDP2Span(self._groups, self.probing)
+
     def _wrap_pass_start(self, state: Any, original):
         def register_final_callback() -> None:
+            # A unit's pre-backward in the outer pass: see [Note: nested backward passes].
+            self.nested.close()
             if not self._state._state_ctx.post_backward_final_callback_queued:
                 self._on_pass_start()
                 original()

@@ -23,6 +23,8 @@ implements only the mechanics of its flavour, the abstract methods below.
   true, then ``_end_probe``. See [Note: probe passes] in ``_common.py``.
 
 Passes with ``inputs=``: see [Note: inputs that name parameters] in ``_inputs.py``.
+Backward passes run inside a pass (tiled MLP, cached losses): see [Note: nested
+backward passes] in ``_nested.py``.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ import torch
 import torch.nn as nn
 
 from . import _pass_start
-from ._common import ACTIVE_ATTR, RetainError, create_graph_needs_keep
+from ._common import ACTIVE_ATTR, RetainError, create_graph_needs_keep, queue_callback
 from ._inputs import ParamLookup, map_inputs
 from ._loss_grads import GradSlots, LossGrads
+from ._nested import NestedPasses, Span
 from ._policy import PassTracker, Policy, RetainOptions
 from ._probe import ProbeTargets, refuse_reentrant_checkpoint
 from ._saved_tensors import SavedTensorCheck
@@ -67,6 +70,7 @@ class BlockBase(abc.ABC):
         self._lookup = ParamLookup()  # the backend's, for passes with inputs=
         self._kept_total = 0  # units kept unsharded between passes, set at install
         self._slots: Any = None  # the backend's GradSlots, made at the first grads()
+        self.nested = NestedPasses(self._open_span)  # see [Note: nested backward passes]
 
     # The mechanics of one flavour #
     @abc.abstractmethod
@@ -106,6 +110,20 @@ class BlockBase(abc.ABC):
             handle.remove()
         self._selection.clear()
         self._lookup.forget_selection()
+
+    def before_nested(self) -> None:
+        """Before a backward that starts inside a running one (``_pass_start``)."""
+        running = self._installed and not self._exited and self.tracker.in_backward
+        self.nested.enter(running)
+
+    def after_nested(self) -> None:
+        """When that backward returned or raised."""
+        self.nested.leave()
+
+    def _open_span(self) -> Span:
+        """The first nested pass of a node of a pass: what the backend does for them
+        until the outer pass moves on (see [Note: nested backward passes])."""
+        return Span()
 
     def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
         """What stands for ``tensor``, a parameter this block manages, in the
@@ -322,8 +340,10 @@ class BlockBase(abc.ABC):
             if not self._installed:
                 return
             if exc is None:
+                self.nested.close()
                 self._finish()
             else:
+                self.nested.abort()
                 self._abort()
         finally:
             try:
@@ -369,6 +389,8 @@ class BlockBase(abc.ABC):
         """A pass reaches the model: returns its 1-based index."""
         if torch.is_grad_enabled() and not self._all_kept:
             raise create_graph_needs_keep()
+        # Before the backend's own end of pass: see [Note: nested backward passes].
+        queue_callback(self.nested.close)
         return self.tracker.begin()
 
     def _end_pass(self) -> None:

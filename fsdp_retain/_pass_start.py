@@ -15,8 +15,9 @@ that name parameters] in ``_inputs.py``) and its ``before_backward()`` runs
 before the engine starts, a pre-hook on the autograd node of every root tensor
 runs the watchers' ``on_backward_start()`` inside the pass, where callbacks can
 be queued and :func:`will_run` answers, before any node computes, and
-``after_backward()`` runs when the engine returns (also on an error). Nested
-backwards (e.g. reentrant activation checkpointing) pass through untouched.
+``after_backward()`` runs when the engine returns (also on an error). A backward
+started inside a running one (reentrant activation checkpointing, a tiled MLP, a
+cached loss) runs between the watchers' ``before_nested()`` and ``after_nested()``.
 
 This is autograd-private access shared by every backend; FSDP and DeepSpeed
 internals stay in their backend modules. The wrapper is process-global (so is
@@ -149,8 +150,18 @@ def _run_backward(outputs, *args, **kwargs):
     if not _watchers:
         return original(outputs, *args, **kwargs)
     if in_backward():
-        args, kwargs = _map_inputs(list(_watchers), _roots(outputs), args, kwargs, nested=True)
-        return original(outputs, *args, **kwargs)
+        # See [Note: nested backward passes] in _nested.py.
+        watchers = list(_watchers)
+        args, kwargs = _map_inputs(watchers, _roots(outputs), args, kwargs, nested=True)
+        entered = []
+        try:
+            for watcher in watchers:
+                watcher.before_nested()
+                entered.append(watcher)
+            return original(outputs, *args, **kwargs)
+        finally:
+            for watcher in entered:
+                watcher.after_nested()
     _refuse_compiled_autograd()
     watchers = list(_watchers)
     roots = _roots(outputs)

@@ -1,0 +1,95 @@
+"""Backward passes run inside a backward pass of the block (nested passes).
+
+[Note: nested backward passes]
+Some code runs backward passes from inside a running one. A tiled MLP (Liger-Kernel's
+``LigerTiledMLPFunction``, DeepSpeed's and axolotl's ``TiledMLP``) is a custom
+``autograd.Function`` that runs its MLP over sequence tiles under ``no_grad`` in
+forward and, in its ``backward``, recomputes each tile with grad enabled and calls
+``torch.autograd.backward`` per tile. A cached (GradCache) loss replays its
+mini-batches from a hook on the loss, one forward and one backward each. Reentrant
+activation checkpointing does the same once per checkpointed region.
+
+FSDP expects each unit's backward once per pass. FSDP2 takes a unit's forward after
+its pre-backward for an activation-checkpointing recomputation (no hooks), and runs
+its post-backward (the reduction) once per pass: the gradients of a second tile
+through a unit would stay unreduced and land in a later pass, or nowhere.
+
+So the block groups the nested passes that one node of one of its passes runs (the
+node ``torch._C._current_autograd_node()`` names when the first starts) into a
+**span**. When a span opens the backend holds the reductions of the units that are
+not inside their own backward already and keeps them gathered (``_open_span``); the
+nested passes then accumulate into the unsharded gradients, as tiles of one pass
+should. The span closes when the outer pass moves on: a nested pass from another
+node, a unit's pre-backward in the outer pass (the backend calls ``close``), or the
+end of the pass, before FSDP's own end-of-pass work. Then each unit whose backward
+ran reduces, once, what the span accumulated, as the policy says for the pass
+(reduce, or hold back for ``sync_grads="last"``), and is resharded or kept as
+between passes. In a probe pass (``param_grads=False``) the block writes no
+parameter gradient: what the nested passes accumulated is dropped, and what the
+units held before the span is put back.
+
+Nested passes inside a pass that is not the block's (a hook on a loss whose graph
+never reaches the model, as a cached loss) are FSDP's own passes: the block sees
+them as passes of its own (``_pass_start`` and the backend's pass start).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Span:
+    """What the backend does for the nested passes of one outer node; this default
+    does nothing (a backend whose units need nothing for them)."""
+
+    def close(self) -> None:
+        """The outer pass moves on: reduce once what the span accumulated."""
+
+    def abort(self) -> None:
+        """An exception: undo ``open`` without collectives."""
+
+
+class NestedPasses:
+    """The open span of one block, and how deep the nested passes run."""
+
+    def __init__(self, open_span: Any) -> None:
+        self._open_span = open_span  # () -> Span, the backend's
+        self._span: Span | None = None
+        self._node: Any = None
+        self._counted: list[bool] = []  # per running nested pass: inside a block pass?
+
+    @property
+    def depth(self) -> int:
+        return sum(self._counted)
+
+    def enter(self, in_block_pass: bool) -> None:
+        """A nested pass starts (``_pass_start``); ``in_block_pass``: a pass of the
+        block runs around it."""
+        self._counted.append(in_block_pass)
+        if not in_block_pass:
+            return
+        node = torch._C._current_autograd_node()
+        if self.depth == 1 and self._span is not None and self._node is not node:
+            self.close()  # the outer pass moved on to another node
+        if self._span is None:
+            self._span = self._open_span()
+            self._node = node
+
+    def leave(self) -> None:
+        if self._counted:
+            self._counted.pop()
+
+    def close(self) -> None:
+        """Closes the open span, unless a nested pass still runs (idempotent)."""
+        if self._span is None or self.depth:
+            return
+        span, self._span, self._node = self._span, None, None
+        span.close()
+
+    def abort(self) -> None:
+        span, self._span, self._node = self._span, None, None
+        self._counted.clear()
+        if span is not None:
+            span.abort()
