@@ -95,9 +95,9 @@ from ._fsdp1_mechanics import (
     probe_reshard,
     rearm,
     reset_iteration,
+    reshard,
     reshard_all,
     settle_root_forward,
-    should_free,
 )
 from ._fsdp1_guards import (
     GRADS_OF_GRADS,
@@ -236,10 +236,8 @@ class FSDP1Block(BlockBase):
 
     # The keep/free decision: see should_free #
     def _reshard(self, unit: Unit, original, free_unsharded_flat_param: bool) -> None:
-        free = should_free(
-            unit, free_unsharded_flat_param, pass_open=self._pass_open, freeing=self._freeing
-        )
-        original(free)
+        reshard(unit, original, free_unsharded_flat_param, pass_open=self._pass_open,
+                freeing=self._freeing)
 
     def _open_span(self) -> Span:
         return FSDP1Span(self._units, self.probing)

@@ -61,11 +61,10 @@ def should_free(unit: Unit, fsdp_free: bool, *, pass_open: bool, freeing: bool) 
     ``fsdp_free`` is FSDP's own answer (``_post_forward_reshard``,
     ``_should_free_in_backward``); ``pass_open``: a pass of the block runs;
     ``freeing``: its last known pass runs, or the block exits. See [Note: why a
-    retained graph needs unsharded storage]; a unit nested passes run through
-    stays gathered until their span closes (see [Note: nested backward passes]).
+    retained graph needs unsharded storage].
     """
     handle = unit.handle
-    if not handle.uses_sharded_strategy or unit.in_span:
+    if not handle.uses_sharded_strategy:
         return False
     phase, states = handle._training_state, internals().HandleTrainingState
     if phase == states.FORWARD:  # post-forward reshard
@@ -74,6 +73,17 @@ def should_free(unit: Unit, fsdp_free: bool, *, pass_open: bool, freeing: bool) 
     if phase in (states.BACKWARD_PRE, states.BACKWARD_POST) or pass_open:
         return Policy.frees_after_pass(unit.kept, freeing=freeing)
     return fsdp_free  # summon_full_params and the like
+
+
+def reshard(unit: Unit, original: Any, fsdp_free: bool, *, pass_open: bool,
+            freeing: bool) -> None:
+    """FSDP1's ``FlatParamHandle.reshard`` (``original``) as the block runs it: not at
+    all while nested passes run through the unit (``Unit.in_span``: its modules keep
+    showing the unsharded parameters the next tile computes with, see
+    ``_fsdp1_nested``), else freeing what ``should_free`` says."""
+    if unit.in_span:
+        return
+    original(should_free(unit, fsdp_free, pass_open=pass_open, freeing=freeing))
 
 
 def probe_reshard(unit: Unit) -> None:

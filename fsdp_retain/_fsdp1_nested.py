@@ -6,8 +6,10 @@ unit's post-backward hook, which reduce-scatters and frees, in each nested pass
 that accumulates into the unit; its pre-forward gathers the unit again for the next
 tile. While a span is open its units run as under ``no_sync()`` (``_sync_gradients``
 off: the tiles' gradients accumulate unsharded) and are not freed
-(``Unit.in_span``, read by ``should_free``); at the close the post-backward hook
-runs once more, with the flags of the pass, for each unit whose backward ran.
+(``Unit.in_span``: ``reshard`` in ``_fsdp1_mechanics`` leaves them as they are); at the close the post-backward hook
+runs once more, with the flags of the pass, for each unit whose backward ran. FSDP1's
+hook may run several times in one backward (it reduces into ``_saved_grad_shard``), so
+a unit whose outer backward goes on after the span reduces again later.
 """
 
 from __future__ import annotations
@@ -22,39 +24,47 @@ _MISSING = object()
 
 
 class FSDP1Span(Span):
-    """The nested passes of one node: units not inside their own backward."""
+    """The nested passes of one node: every sharded unit holds its reductions and stays
+    gathered until the close."""
 
     def __init__(self, units: list[Unit], probing: bool) -> None:
         fsdp = internals()
         self._post = fsdp.HandleTrainingState.BACKWARD_POST
         self._hook = fsdp.post_backward_hook
         pre = fsdp.HandleTrainingState.BACKWARD_PRE
-        # A unit inside its own backward in the outer pass: FSDP1 skips the pre-forward
-        # of its tiles, and its post-backward hook there reduces what they added.
-        self._units = [u for u in units if u.handle._training_state != pre]
-        self._sync = [(u.state, u.state._sync_gradients) for u in self._units]
-        for unit in self._units:
+        self._units = units
+        # Inside its own backward in the outer pass (the tiling inside the unit's
+        # forward): it may run backward after the close, then its own hook reduces;
+        # else the end of the pass does.
+        self._inside = {id(u) for u in units if u.handle._training_state == pre}
+        self._sync = [(u.state, u.state._sync_gradients) for u in units]
+        for unit in units:
             unit.in_span = True
             unit.state._sync_gradients = False
-        # A probe pass writes no parameter gradient: set aside what the units hold.
-        self._stash = [_take_grad(u) for u in self._units] if probing else None
+        # A probe pass writes no parameter gradient: what the units hold, to put back.
+        self._stash = [_keep_grad(u) for u in units] if probing else None
 
     def close(self) -> None:
         self._restore()
-        if self._stash is not None:
-            for unit, saved in zip(self._units, self._stash):
-                _put_grad(unit, saved)
         for unit in self._units:
-            handle = unit.handle
-            if handle._training_state == self._post and not handle.needs_unshard():
-                # Reduces (unless the pass holds back) and frees as the policy says.
-                self._hook(unit.state, handle, unit.flat_param)
+            if id(unit) not in self._inside:
+                self._reduce(unit)
+
+    def end_of_pass(self) -> None:
+        for unit in self._units:
+            if id(unit) in self._inside:
+                self._reduce(unit)  # unless its own hook did since the close
+
+    def _reduce(self, unit: Unit) -> None:
+        """FSDP1's post-backward hook for ``unit`` if the span left it a gradient: it
+        reduces (unless the pass holds back) and frees as the policy says."""
+        handle = unit.handle
+        if (handle._training_state == self._post and unit.flat_param.grad is not None
+                and not handle.needs_unshard()):
+            self._hook(unit.state, handle, unit.flat_param)
 
     def abort(self) -> None:
         self._restore()
-        if self._stash is not None:
-            for unit, saved in zip(self._units, self._stash):
-                _put_grad(unit, saved)
 
     def _restore(self) -> None:
         for state, value in self._sync:
@@ -62,21 +72,30 @@ class FSDP1Span(Span):
         self._sync = []
         for unit in self._units:
             unit.in_span = False
+        if self._stash is not None:
+            for unit, saved in zip(self._units, self._stash):
+                _put_grad(unit, saved)
+            self._stash = None
 
 
-def _take_grad(unit: Unit) -> tuple[Any, Any]:
+def _keep_grad(unit: Unit) -> tuple[Any, Any, Any]:
+    """``.grad``, a copy of its values (the tiles may add to it in place) and
+    ``_saved_grad_shard`` (FSDP1's pre-backward moves a reduced ``.grad`` there)."""
     flat_param = unit.flat_param
-    saved = flat_param.grad, getattr(flat_param, "_saved_grad_shard", _MISSING)
-    flat_param.grad = None
-    return saved
+    grad = flat_param.grad
+    values = None if grad is None else grad.detach().clone()
+    return grad, values, flat_param.__dict__.get("_saved_grad_shard", _MISSING)
 
 
-def _put_grad(unit: Unit, saved: tuple[Any, Any]) -> None:
+def _put_grad(unit: Unit, saved: tuple[Any, Any, Any]) -> None:
+    """What ``_keep_grad`` kept; a ``.grad`` that was ``None`` the probe's end puts
+    back (``GradLedger.restore``)."""
     flat_param = unit.flat_param
-    grad, shard = saved
-    flat_param.grad = grad
+    grad, values, shard = saved
+    if grad is not None:
+        grad.detach().copy_(values)
+        flat_param.grad = grad
     if shard is _MISSING:
-        if hasattr(flat_param, "_saved_grad_shard"):
-            delattr(flat_param, "_saved_grad_shard")
+        flat_param.__dict__.pop("_saved_grad_shard", None)
     else:
         flat_param._saved_grad_shard = shard

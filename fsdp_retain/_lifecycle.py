@@ -340,7 +340,7 @@ class BlockBase(abc.ABC):
             if not self._installed:
                 return
             if exc is None:
-                self.nested.close()
+                self.nested.end_pass()
                 self._finish()
             else:
                 self.nested.abort()
@@ -390,7 +390,7 @@ class BlockBase(abc.ABC):
         if torch.is_grad_enabled() and not self._all_kept:
             raise create_graph_needs_keep()
         # Before the backend's own end of pass: see [Note: nested backward passes].
-        queue_callback(self.nested.close)
+        queue_callback(self.nested.end_pass)
         return self.tracker.begin()
 
     def _end_pass(self) -> None:

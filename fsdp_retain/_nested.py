@@ -21,7 +21,7 @@ not inside their own backward already and keeps them gathered (``_open_span``); 
 nested passes then accumulate into the unsharded gradients, as tiles of one pass
 should. The span closes when the outer pass moves on: a nested pass from another
 node, a unit's pre-backward in the outer pass (the backend calls ``close``), or the
-end of the pass, before FSDP's own end-of-pass work. Then each unit whose backward
+end of the pass, before FSDP's own end-of-pass work (``end_pass``). Then each unit whose backward
 ran reduces, once, what the span accumulated, as the policy says for the pass
 (reduce, or hold back for ``sync_grads="last"``), and is resharded or kept as
 between passes. In a probe pass (``param_grads=False``) the block writes no
@@ -47,6 +47,10 @@ class Span:
     def close(self) -> None:
         """The outer pass moves on: reduce once what the span accumulated."""
 
+    def end_of_pass(self) -> None:
+        """The outer pass ends (before the backend's own end of pass): what ``close``
+        left to it."""
+
     def abort(self) -> None:
         """An exception: undo ``open`` without collectives."""
 
@@ -58,6 +62,7 @@ class NestedPasses:
         self._open_span = open_span  # () -> Span, the backend's
         self._span: Span | None = None
         self._node: Any = None
+        self._closed: list[Span] = []  # closed in the running pass
         self._counted: list[bool] = []  # per running nested pass: inside a block pass?
 
     @property
@@ -86,10 +91,20 @@ class NestedPasses:
         if self._span is None or self.depth:
             return
         span, self._span, self._node = self._span, None, None
+        self._closed.append(span)
         span.close()
+
+    def end_pass(self) -> None:
+        """At the end of the outer pass, before the backend's (``BlockBase._start_pass``
+        queues it)."""
+        self.close()
+        closed, self._closed = self._closed, []
+        for span in closed:
+            span.end_of_pass()
 
     def abort(self) -> None:
         span, self._span, self._node = self._span, None, None
         self._counted.clear()
+        self._closed.clear()
         if span is not None:
             span.abort()
