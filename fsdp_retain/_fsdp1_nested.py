@@ -88,12 +88,17 @@ def _keep_grad(unit: Unit) -> tuple[Any, Any, Any]:
 
 
 def _put_grad(unit: Unit, saved: tuple[Any, Any, Any]) -> None:
-    """What ``_keep_grad`` kept; a ``.grad`` that was ``None`` the probe's end puts
-    back (``GradLedger.restore``)."""
+    """What ``_keep_grad`` kept; a ``.grad`` that was ``None``, or that FSDP1's
+    pre-backward moved into ``_saved_grad_shard``, the probe's end puts back
+    (``GradLedger.restore``)."""
     flat_param = unit.flat_param
     grad, values, shard = saved
     if grad is not None:
         grad.detach().copy_(values)
+    if flat_param.grad is not grad:  # a unit the tiles ran through: unsharded now
+        if grad is not None and grad.shape != flat_param.shape:
+            flat_param.grad = None  # a reduced shard, moved aside
+            return
         flat_param.grad = grad
     if shard is _MISSING:
         flat_param.__dict__.pop("_saved_grad_shard", None)

@@ -30,8 +30,9 @@ the pass's ``inputs`` to ``map_inputs`` before the engine starts:
   refuses only midway through the pass;
 - and a backward run inside another one's node (a custom Function's backward:
   torchjd's ``autogram.Engine`` computes its Gramian so) naming a managed
-  parameter: the driver does not treat it as a pass (``_pass_start``), so
-  nothing would reduce it; under plain FSDP such a Gramian is silently zero.
+  parameter: its gradients would join the pass around it (see [Note: nested
+  backward passes] in ``_nested.py``), not the parameters it names alone; under
+  plain FSDP such a Gramian is silently zero.
 ``BlockBase.after_backward`` drops what ``_select_grads`` put on the graph.
 """
 
@@ -125,9 +126,11 @@ _GRAD_OF_PARAMS = (
 _NESTED_INPUTS = (
     "a backward started inside another backward (from a custom autograd.Function's "
     "backward or a hook) inside no_reshard_between_backwards names {} parameter(s) of "
-    "the FSDP model as inputs: the block cannot reduce a pass that runs inside another "
-    "one. Call loss.backward(inputs=params) (or block.backward(loss, inputs=params)) "
-    "outside any backward."
+    "the FSDP model as inputs: the block maps inputs= only for passes outside any "
+    "backward (a nested pass's gradients are reduced with the pass around it, see "
+    "docs/guide.md#nested-backward-passes). Drop inputs= from the nested backward, or "
+    "call loss.backward(inputs=params) (or block.backward(loss, inputs=params)) outside "
+    "any backward."
 )
 _INPUTS_OVER_REENTRANT = (
     "backward(inputs=...) inside no_reshard_between_backwards reaches a reentrant "

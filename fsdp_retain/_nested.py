@@ -72,15 +72,14 @@ class NestedPasses:
     def enter(self, in_block_pass: bool) -> None:
         """A nested pass starts (``_pass_start``); ``in_block_pass``: a pass of the
         block runs around it."""
+        if in_block_pass:
+            node = torch._C._current_autograd_node()
+            if self._span is not None and self._node is not node:
+                self.close()  # the outer pass moved on to another node (unless nested)
+            if self._span is None:
+                self._span = self._open_span()
+                self._node = node
         self._counted.append(in_block_pass)
-        if not in_block_pass:
-            return
-        node = torch._C._current_autograd_node()
-        if self.depth == 1 and self._span is not None and self._node is not node:
-            self.close()  # the outer pass moved on to another node
-        if self._span is None:
-            self._span = self._open_span()
-            self._node = node
 
     def leave(self) -> None:
         if self._counted:

@@ -117,13 +117,14 @@ class Tiled:
     sync: str = "every"
     backwards: bool = False  # announce the number of passes
     probe_first: bool = False  # a probe pass of loss1 first (3 passes)
+    probe_between: bool = False  # a probe pass of loss2 between the two (3 passes)
     grads: bool = False  # block.grads per loss, then apply_grads(combine)
     use_block: bool = True
     one_pass: bool = False  # one backward of loss1 + loss2 (what plain FSDP1 can run)
 
     @property
     def passes(self) -> int:
-        return 1 if self.one_pass else 2 + self.probe_first
+        return 1 if self.one_pass else 2 + self.probe_first + self.probe_between
 
     def options(self) -> dict:
         keep = BUDGET if self.keep == "budget" else self.keep
@@ -172,6 +173,8 @@ def _tiled_passes(model: nn.Module, out: torch.Tensor, case: Tiled, block: Any,
             _check_gramian(model, grads)
         return
     loss1(out).backward(retain_graph=True)
+    if case.probe_between:
+        block.backward(loss2(out), param_grads=False, retain_graph=True)
     loss2(out).backward()
 
 
@@ -274,12 +277,12 @@ def _name(prefix: str, fields: dict) -> str:
 # FSDP2: every 3 options meet in each combination of their values.
 for row in covering(dict(keep=(True, False, "budget"), sync=("every", "last"),
                          backwards=(False, True), probe_first=(False, True),
-                         inside=(False, True)), strength=3):
+                         probe_between=(False, True), inside=(False, True)), strength=3):
     registry.add(_name("fsdp2_tiled_", row), functools.partial(check_tiled, Tiled(**row)))
 
 for row in covering(dict(backend=("fsdp1", "fsdp1_flat"), keep=(True, False, "budget"),
                          sync=("every", "last"), backwards=(False, True),
-                         probe_first=(False, True)), strength=2):
+                         probe_first=(False, True), probe_between=(False, True)), strength=2):
     setup = Setup(backend=row.pop("backend"))
     name = _name(f"{setup.backend}_tiled_", row)
     registry.add(name, functools.partial(check_tiled, Tiled(setup=setup, frozen=True, tied=True, **row)))

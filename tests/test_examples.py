@@ -49,6 +49,10 @@ all-gathers, so agreement alone would not show that the block did anything).
   ``--head-norms`` (``block.grads`` per head) each head's gradient norm matches the
   reference's; without the block FSDP2 re-gathers and reduces the trunk in every head's
   backward, and FSDP1 fails in the second.
+- tiled_mlp.py (a tiled MLP as axolotl and Liger patch it: a backward per tile inside
+  the backward), FSDP2 with each MLP its own unit and FSDP1: with the block, parity with
+  the untiled model and one all-gather and one reduce-scatter per unit per step; plain
+  FSDP1 fails in the second tile (its post-backward hook freed the parameters).
 - An example whose package is missing (an ImportError shim on ``PYTHONPATH``) says
   so once, naming what installs it, before any rank starts work.
 - The influence example's ``GradientProjector`` against per-sequence gradients
@@ -419,6 +423,27 @@ def test_chunked_ce(fsdp, chunks, library):
                     "reduce_scatter": chunks + units - 1,
                     "lm_head_all_gather": 2 * chunks, "lm_head_reduce_scatter": chunks}
     assert _steps(out) == [expected] * steps
+
+
+@pytest.mark.parametrize("fsdp, mlp_units", [(2, True), (1, False)])
+def test_tiled_mlp(fsdp, mlp_units):
+    """tiled_mlp.py --fsdp {2,1} (4 tiles), 2 CPU ranks, with the block: parity with the
+    untiled one-process model, one all-gather and one reduce-scatter per unit per step."""
+    steps, units = 3, (2 * 2 if mlp_units else 2) + 1
+    args = ["--fsdp", str(fsdp), "--steps", str(steps)] + (["--mlp-units"] if mlp_units else [])
+    out = _check_ok(_torchrun("tiled_mlp.py", *args, count_blocks=False))
+    assert f"FSDP{fsdp}, 2 ranks, cpu, block, 4 tiles, {units} units" in out
+    assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
+    assert _steps(out) == [{"all_gather": units, "reduce_scatter": units}] * steps
+
+
+def test_tiled_mlp_plain_fsdp1_fails():
+    """tiled_mlp.py --fsdp 1 --no-library: FSDP1's post-backward hook frees the block's
+    parameters after the first tile's backward, the second tile computes with them."""
+    proc = _torchrun("tiled_mlp.py", "--fsdp", "1", "--no-library", "--steps", "1",
+                     count_blocks=False)
+    assert proc.returncode != 0
+    assert "RuntimeError: size mismatch" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
 
 
 @pytest.mark.parametrize("keep", ["lm_head", "none"])

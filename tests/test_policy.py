@@ -99,6 +99,12 @@ class _Watcher:
     def after_backward(self) -> None:
         self.calls.append("after")
 
+    def before_nested(self) -> None:
+        self.calls.append("nested")
+
+    def after_nested(self) -> None:
+        self.calls.append("nested done")
+
 
 def _entry():
     return getattr(torch.autograd, _pass_start._ENTRY)
@@ -188,7 +194,9 @@ def test_watchers_see_inputs_and_the_end_of_every_backward():
                 return g
 
         Nested.apply(x).sum().backward()
-        assert "inputs 1 False True" in watcher.calls, watcher.calls
+        assert watcher.calls == [
+            "before", "start", "inputs 1 False True", "nested", "nested done", "after",
+        ], watcher.calls
         watcher.calls.clear()
         y = (x * 2).sum()
         y.backward()
@@ -218,3 +226,59 @@ def test_will_run_answers_true_for_the_root_of_a_single_root_backward():
     finally:
         _pass_start.unwatch(watcher)
     assert seen == [True]
+
+
+class _RecordingSpan:
+    def __init__(self, log: list[str], index: int) -> None:
+        self.log, self.index = log, index
+        log.append(f"open {index}")
+
+    def close(self) -> None:
+        self.log.append(f"close {self.index}")
+
+    def end_of_pass(self) -> None:
+        self.log.append(f"end {self.index}")
+
+    def abort(self) -> None:
+        self.log.append(f"abort {self.index}")
+
+
+def test_nested_passes_form_one_span_per_node():
+    """The nested passes one node runs share a span (a nested pass inside them joins
+    it); a nested pass from another node closes it; the pass end closes the last and
+    calls every span's end_of_pass; passes outside a block pass open none."""
+    from fsdp_retain._nested import NestedPasses
+
+    log: list[str] = []
+    nested = NestedPasses(lambda: _RecordingSpan(log, sum(e.startswith("open") for e in log)))
+
+    class Tiled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            for _ in range(3):  # three tiles, the second with a pass inside it
+                nested.enter(True)
+                try:
+                    with torch.enable_grad():
+                        z = torch.ones(2, requires_grad=True)
+                        if len(log) == 1:
+                            nested.enter(True)
+                            nested.close()  # a unit's pre-backward inside: stays open
+                            nested.leave()
+                        (z * 2).sum().backward()
+                finally:
+                    nested.leave()
+            return g
+
+    x = torch.ones(2, requires_grad=True)
+    (Tiled.apply(x) + Tiled.apply(x)).sum().backward()
+    assert log == ["open 0", "close 0", "open 1"], log
+    nested.end_pass()
+    assert log[3:] == ["close 1", "end 0", "end 1"], log
+    nested.enter(False)  # inside a pass that is not the block's
+    nested.leave()
+    nested.end_pass()
+    assert len(log) == 6, log
