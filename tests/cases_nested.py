@@ -63,6 +63,11 @@ class Setup:
     split: bool = False  # fc1 and fc2 their own units: a tile runs through two
     strategy: str = "FULL_SHARD"  # FSDP1
     hsdp: bool = False  # FSDP2 on a (2, 2) mesh (world size 4)
+    mixed: bool = False  # FSDP2 parameters in float32, reductions in float64
+
+    @property
+    def tol(self) -> dict:
+        return dict(rtol=1e-5, atol=1e-6) if self.mixed else TOL
 
     def wrap(self, model: nn.Module) -> nn.Module:
         def mlp_units(layer: nn.Module) -> list[nn.Module]:
@@ -72,11 +77,17 @@ class Setup:
             shape = (dist.get_world_size() // 2, 2) if self.hsdp else (dist.get_world_size(),)
             names = ("replicate", "shard") if self.hsdp else ("shard",)
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            mp = {}
+            if self.mixed:
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                mp = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                         reduce_dtype=torch.float64))
             for layer in model.layers:
                 for unit in mlp_units(layer):
-                    fully_shard(unit, mesh=mesh)
-                fully_shard(layer, mesh=mesh)
-            return fully_shard(model, mesh=mesh)
+                    fully_shard(unit, mesh=mesh, **mp)
+                fully_shard(layer, mesh=mesh, **mp)
+            return fully_shard(model, mesh=mesh, **mp)
         wrapped = {id(u) for layer in model.layers for u in mlp_units(layer)}
 
         def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
@@ -115,6 +126,7 @@ class Tiled:
     frozen: bool = False
     keep: Any = True  # keep_unsharded, or "budget"
     sync: str = "every"
+    reshard_to: int | None = None
     backwards: bool = False  # announce the number of passes
     probe_first: bool = False  # a probe pass of loss1 first (3 passes)
     probe_between: bool = False  # a probe pass of loss2 between the two (3 passes)
@@ -128,7 +140,7 @@ class Tiled:
 
     def options(self) -> dict:
         keep = BUDGET if self.keep == "budget" else self.keep
-        return dict(keep_unsharded=keep, sync_grads=self.sync,
+        return dict(keep_unsharded=keep, sync_grads=self.sync, reshard_to=self.reshard_to,
                     backwards=self.passes if self.backwards else None)
 
     def model(self) -> nn.Module:
@@ -149,10 +161,10 @@ def _reference_step(ref: nn.Module, opt: torch.optim.Optimizer, step: int,
     return grads
 
 
-def _compare(actual: dict, expected: dict, what: str) -> None:
+def _compare(actual: dict, expected: dict, what: str, tol: dict = TOL) -> None:
     assert set(actual) == set(expected), f"{what}: names differ: {set(actual) ^ set(expected)}"
     for name, value in expected.items():
-        torch.testing.assert_close(actual[name], value, **TOL, msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(actual[name], value, **tol, msg=lambda m: f"{what} {name}: {m}")
 
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
@@ -208,14 +220,14 @@ def _reference_gramian(ref: nn.Module, step: int) -> torch.Tensor:
     return stacked @ stacked.T
 
 
-def run_tiled(case: Tiled) -> list[Any]:
-    """Trains ``case`` and its reference ``STEPS`` steps, compares after each; returns
+def run_tiled(case: Tiled, steps: int = STEPS) -> list[Any]:
+    """Trains ``case`` and its reference ``steps`` steps, compares after each; returns
     each step's collective counts."""
     ref = case.model()
     model = case.setup.wrap(copy.deepcopy(ref))
     ref_opt, opt = _sgd(ref), _sgd(model)
     all_counts = []
-    for step in range(STEPS):
+    for step in range(steps):
         if case.grads:
             _REFERENCE_GRAMIAN[id(model)] = _reference_gramian(ref, step)
         expected = _reference_step(ref, ref_opt, step, (loss1, loss2))
@@ -231,12 +243,12 @@ def run_tiled(case: Tiled) -> list[Any]:
                 counts.mark("exit")
         all_counts.append(counts)
         params, grads = case.setup.read(model)
-        _compare(grads, expected, f"step {step} grads ({case})")
+        _compare(grads, expected, f"step {step} grads ({case})", case.setup.tol)
         opt.step()
         opt.zero_grad()
         params, _ = case.setup.read(model)
         _compare(params, {n: p.detach() for n, p in ref.named_parameters()},
-                 f"step {step} params ({case})")
+                 f"step {step} params ({case})", case.setup.tol)
     return all_counts
 
 
@@ -253,7 +265,7 @@ def check_tiled(case: Tiled) -> None:
     for one tile and for ``case.tiles`` (backward's all-gathers, the reductions; with
     keep_unsharded=True every all-gather), by formula where every unit is kept."""
     counts = run_tiled(case)[-1]
-    one = run_tiled(dataclasses.replace(case, tiles=1))[-1]
+    one = run_tiled(dataclasses.replace(case, tiles=1), steps=1)[-1]
     what = f"{case}: tiles={case.tiles} vs 1"
     assert _gathers(counts, ("backward", "exit")) == _gathers(one, ("backward", "exit")), (
         f"{what}: backward all-gathers {_gathers(counts)} vs {_gathers(one)}")
@@ -293,6 +305,7 @@ _EXTRAS = {
     "fsdp2_tiled_checkpointed": Tiled(how="checkpoint"),
     "fsdp2_tiled_checkpointed_regather_last": Tiled(how="checkpoint", keep=False, sync="last"),
     "fsdp2_tiled_frozen_tied": Tiled(frozen=True, tied=True),
+    "fsdp2_tiled_mixed_precision_last": Tiled(setup=Setup(mixed=True), sync="last", keep=False),
     "fsdp2_tiled_grads": Tiled(grads=True),
     "fsdp2_tiled_grads_regather": Tiled(grads=True, keep=False, probe_first=True),
     "fsdp1_tiled_two_units": Tiled(setup=Setup(backend="fsdp1", split=True), keep=False),
@@ -310,6 +323,9 @@ for keep, sync in ((True, "every"), (False, "last")):
     registry.add(_name("fsdp2_hsdp_tiled_", dict(keep=keep, sync=sync)),
                  functools.partial(check_tiled, Tiled(setup=Setup(hsdp=True), keep=keep, sync=sync)),
                  world_sizes=(4,))
+# Between passes the units not kept are resharded to groups of 2 of the 4 ranks.
+registry.add("fsdp2_tiled_reshard_to", functools.partial(
+    check_tiled, Tiled(keep=False, reshard_to=2, backwards=True)), world_sizes=(4,))
 
 
 @registry.case()
@@ -409,14 +425,14 @@ class Cached:
                     device_id=torch.device("cpu"), use_orig_params=self.backend == "fsdp1")
 
 
-def run_cached(case: Cached) -> list[Any]:
+def run_cached(case: Cached, steps: int = STEPS) -> list[Any]:
     ref = make_encoder()
     model = case.wrap(copy.deepcopy(ref))
     ref_opt, opt = _sgd(ref), _sgd(model)
     world = dist.get_world_size()
     all_counts = []
     setup = Setup(backend=case.backend)
-    for step in range(STEPS):
+    for step in range(steps):
         for rank in range(world):
             queries, docs = pairs(rank, step)
             (ranking_loss(ref(queries), ref(docs)) / world).backward()
@@ -444,7 +460,7 @@ def check_cached(case: Cached) -> None:
     """Parity, and with keep_unsharded=True one all-gather per unit per step, as for one
     mini-batch; with sync_grads="last" one reduction per trainable unit per step."""
     counts = run_cached(case)[-1]
-    one = run_cached(dataclasses.replace(case, minibatches=1))[-1]
+    one = run_cached(dataclasses.replace(case, minibatches=1), steps=1)[-1]
     units = 3  # the two MLPs and the root
     if case.keep:
         assert counts.all_gather == one.all_gather == units, (counts.as_dict(), one.as_dict())

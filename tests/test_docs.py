@@ -40,3 +40,14 @@ def test_readme_test_command_is_what_ci_runs():
     blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
     (command,) = [b for b in blocks if "pytest" in b]
     assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_quick_start_venv_gets_numpy():
+    """The README's quick start installs torch and the package alone; without numpy torch
+    warns "Failed to initialize NumPy" once per rank on the newcomer's first screen."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "numpy" in [re.split(r"[<>=!~ ;\[]", d)[0] for d in project["dependencies"]]
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install torch==2.13.0 -e . &&" in readme

@@ -197,3 +197,15 @@ def test_docs_show_a_fit_command_that_parses(doc):
     for command in commands:
         args = _parser(PROG).parse_args(command.split()[4:])  # exits 2 on a flag it lacks
         assert args.gpu_memory and args.world_size, command
+
+
+def test_calibrate_prints_one_line_of_seconds(capsys):
+    """``python -m fsdp_retain.report calibrate``: one line, the two workloads' seconds."""
+    from fsdp_retain.report import main
+
+    assert main(["calibrate"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out
+    match = re.fullmatch(r"calibration: python (\S+) s, torch (\S+) s \(one thread; .*\)", out[0])
+    assert match, out
+    assert all(0 < float(v) < 60 for v in match.groups())

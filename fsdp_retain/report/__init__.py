@@ -27,7 +27,8 @@ beyond torch, checked up front), ``_memory`` (peak and breakdown), ``_runner``
 ``python -m fsdp_retain.report fit`` prints the largest ``keep_unsharded`` budget that
 fits a GPU: ``_fit_cli`` (its command line and answer), ``_fit_search`` (which budgets to
 simulate), ``_fit_sims`` (the simulated steps, forked from one build), ``_fit`` (budgets'
-units and all-gathers).
+units and all-gathers). ``python -m fsdp_retain.report calibrate``: this machine's speed on
+a fixed CPU workload (``_calibrate``), to quote beside CPU times.
 """
 
 from ._cli import main, parse_args

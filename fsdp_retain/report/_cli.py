@@ -28,7 +28,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         ),
         epilog=(f"The largest keep_unsharded budget for your model: python {prog} fit "
                 "--model-config config.json --world-size 64 --gpu-memory 80GiB --dtype bf16 "
-                f"(python {prog} fit --help)."),
+                f"(python {prog} fit --help). This machine's speed, to quote beside CPU "
+                f"times: python {prog} calibrate."),
     )
     parser.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=ALL_BACKENDS,
                         help="backends to run, in order (default: fsdp2 fsdp1; deepspeed: "
@@ -135,6 +136,10 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
         from ._fit_cli import main as fit_main
 
         return fit_main(argv[1:], prog=f"python {prog} fit")
+    if argv == ["calibrate"]:
+        from ._calibrate import main as calibrate_main
+
+        return calibrate_main()
     parser = _parser(prog)
     args = parser.parse_args(argv)  # --help needs no extra
     try:

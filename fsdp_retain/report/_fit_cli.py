@@ -59,6 +59,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         help="non-reentrant activation checkpointing on every decoder layer")
     parser.add_argument("--backend", default="fsdp2", choices=("fsdp2", "fsdp1"),
                         help="default: fsdp2 (fully_shard)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print this machine's calibration (its speed on a fixed "
+                             "CPU workload), to compare the run time with another machine's")
     parser.add_argument("--jobs", type=int, default=None, metavar="N",
                         help="simulations run at once (default: the CPUs available, at most 4)")
     for name in DIM_FLAGS:  # --layers shown; --hidden, ... work as in the report
@@ -94,6 +97,10 @@ def main(argv: list[str], *, prog: str = PROG) -> int:
     def log(message: str) -> None:
         print(f"[fit {time.monotonic() - started:5.0f}s] {message}", file=sys.stderr, flush=True)
 
+    if args.verbose:
+        from ._calibrate import calibration_line
+
+        log(calibration_line())
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     jobs = args.jobs or min(cpus or 1, 4)
     try:
