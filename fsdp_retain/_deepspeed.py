@@ -370,7 +370,8 @@ class DeepSpeedBlock(BlockBase):
         replay from a hook on its loss, see [Note: nested backward passes]): it
         starts here, before any of its gradients.
         """
-        if self._in_backward() and not self.tracker.in_backward:
+        # Not a top-level pass: DeepSpeed's hook on its root runs before _pass_start's.
+        if self.nested.outside_block_pass and not self.tracker.in_backward:
             self._on_pass_start()
             queue_callback(self._on_pass_end)
 

@@ -52,7 +52,6 @@ class DeepSpeedSpan(Span):
     def __init__(self, optimizer: Any, params: list[Any], probing: bool,
                  coordinator: Any, release_name: str | None) -> None:
         self._opt = optimizer
-        self._probing = probing
         self._touched: dict[int, Any] = {}
         self._restored = False
         state = optimizer._backward_hook_state
