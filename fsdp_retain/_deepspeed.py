@@ -31,6 +31,13 @@ and the parameter coordinator):
   ``AccumulateGrad`` runs, so no reduce hook fires, and the pass skips the
   engine prologue and the partition bookkeeping above.
 
+- Nested backward passes (a tiled MLP, a cached loss; see [Note: nested backward
+  passes] in ``_nested.py``): the span of ``_deepspeed_nested.py`` holds ZeRO-3's
+  per-parameter reductions and, with ``keep_unsharded=False``, its releases, and a
+  module's pre-backward in the outer pass (the guard hook on its outputs) closes it.
+  A cached loss's replay inside another model's backward starts its pass from the
+  engine output's prologue hook (``_prologue_from_output_hook``).
+
 Pass boundaries: ``_pass_start`` runs ``on_backward_start`` before the first
 node of every backward. A forward hook on the engine's module records the
 autograd nodes that tell whether a pass uses the engine: its outputs', the
@@ -73,6 +80,7 @@ refused when it is above 1 (``engine.backward`` scales the loss itself).
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -81,9 +89,11 @@ import torch.nn as nn
 from ._common import RetainError, queue_callback, require_attr
 from . import _pass_start
 from ._deepspeed_grads import PartitionSlots
+from ._deepspeed_nested import DeepSpeedSpan
 from ._deepspeed_graph import ForwardGraph, ZeroParams, held_node
 from ._lifecycle import BlockBase
 from ._loss_grads import GradSlots
+from ._nested import Span
 from ._policy import RetainOptions
 
 _RELEASE = "_PartitionedParameterCoordinator__release_param"
@@ -195,6 +205,7 @@ class DeepSpeedBlock(BlockBase):
         self._saved_coalesce: bool | None = None
         self._prologue: Any = None  # the engine's _backward_prologue, shadowed in the block
         self._lookup = ZeroParams(self._root, _INPUTS_REFUSED)  # passes with inputs=
+        self._close_span = _weakly(self.nested.close)  # the graph's hooks outlive the block
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -220,7 +231,7 @@ class DeepSpeedBlock(BlockBase):
         # The engine's own prologue, run by the block at each pass start; every
         # other call in the block is a forward's output hook (see the note).
         self._prologue = require_attr(self.model, "_backward_prologue", flavour)
-        self.model._backward_prologue = _prologue_from_output_hook
+        self.model._backward_prologue = self._prologue_from_output_hook
         self._hooks.append(self._root.register_forward_hook(self._record_nodes))
         self._hooks.append(self.model.register_forward_pre_hook(self._refuse_forward_after_held))
         self._partitions = require_attr(self._optimizer, _GRAD_PARTITIONS, flavour)
@@ -288,6 +299,11 @@ class DeepSpeedBlock(BlockBase):
             self._release(param)
         self._counters.reset()
 
+    def _open_span(self) -> Span:
+        release = None if self.policy.keeps_all else _RELEASE
+        params = list(self._root.parameters())
+        return DeepSpeedSpan(self._optimizer, params, self.probing, self._coordinator, release)
+
     # Pass boundaries #
     def _record_nodes(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled() and not self._in_backward():
@@ -295,13 +311,15 @@ class DeepSpeedBlock(BlockBase):
             self._graph.record(output, self._root, lambda p: p.ds_shape, self._flavour)
 
     def _guard_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Forward hook on each ZeRO-3 module: see ``backward_after_exit``. On the
+        """Forward hook on each ZeRO-3 module: see ``output_reached``. On the
         engine's outputs it runs before DeepSpeed's own hooks (registered later)."""
         if torch.is_grad_enabled() and not self._in_backward():
-            self._graph.guard(output)
+            # A module's pre-backward in the outer pass: see [Note: nested backward passes].
+            self._graph.guard(output, self._close_span)
 
     def _refuse_forward_after_held(self, engine: Any, args: Any) -> None:
-        if self._pending and torch.is_grad_enabled() and not self._in_backward():
+        # Also a cached loss's replay inside another model's backward.
+        if self._pending and torch.is_grad_enabled() and not self.tracker.in_backward:
             raise RetainError(FORWARD_AFTER_HELD_PASS)
 
     def on_backward_start(self) -> None:
@@ -341,6 +359,21 @@ class DeepSpeedBlock(BlockBase):
         self._engine_prologue()
         self._reduced = self._reduced or reduces
         self._pending = not reduces
+
+    def _prologue_from_output_hook(self) -> None:
+        """The engine's ``_backward_prologue`` while the block is installed.
+
+        DeepSpeed calls it from a once-per-forward hook on the engine output; the
+        block runs the real one at each pass start instead (a no-op here). A forward
+        from before the block still has that hook armed (see the note). A pass the
+        block did not start runs inside another model's backward (a cached loss's
+        replay from a hook on its loss, see [Note: nested backward passes]): it
+        starts here, before any of its gradients.
+        """
+        # Not a top-level pass: DeepSpeed's hook on its root runs before _pass_start's.
+        if self.nested.outside_block_pass and not self.tracker.in_backward:
+            self._on_pass_start()
+            queue_callback(self._on_pass_end)
 
     def _on_pass_end(self) -> None:
         self._end_pass()
@@ -431,13 +464,15 @@ def _nodes_from_before(root: nn.Module, flavour: str) -> list[Any]:
     return found
 
 
-def _prologue_from_output_hook() -> None:
-    """The engine's ``_backward_prologue`` while the block is installed: a no-op.
+def _weakly(method: Any) -> Any:
+    ref = weakref.WeakMethod(method)
 
-    DeepSpeed calls it from a once-per-forward hook on the engine output; the
-    block runs the real one at each pass start instead. A forward from before
-    the block still has that hook armed (see the note).
-    """
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 def _step_inside_block(*args: Any, **kwargs: Any) -> None:

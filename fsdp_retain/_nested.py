@@ -69,6 +69,11 @@ class NestedPasses:
     def depth(self) -> int:
         return sum(self._counted)
 
+    @property
+    def outside_block_pass(self) -> bool:
+        """A nested pass runs, and no pass of the block around it."""
+        return bool(self._counted) and not self._counted[-1]
+
     def enter(self, in_block_pass: bool) -> None:
         """A nested pass starts (``_pass_start``); ``in_block_pass``: a pass of the
         block runs around it."""

@@ -12,6 +12,8 @@ The cases live in parts, one concern each, registered here in this order:
 - ``tests/cases_deepspeed_inputs.py``: ``backward(inputs=)`` and ``autograd.grad``
   naming parameters.
 - ``tests/cases_deepspeed_loss_grads.py``: per-loss gradients (``block.grads``).
+- ``tests/cases_deepspeed_nested.py``: backward passes inside a backward (a tiled MLP,
+  a cached loss).
 
 ``tests/cases_deepspeed_common.py`` holds what they share (the model, the engine, the
 reference, ``Scenario`` and ``run_parity``, collective counting).
@@ -21,6 +23,7 @@ from tests import (
     cases_deepspeed_api,
     cases_deepspeed_inputs,
     cases_deepspeed_loss_grads,
+    cases_deepspeed_nested,
     cases_deepspeed_parity,
     cases_deepspeed_pass_starts,
     cases_deepspeed_state,
@@ -34,4 +37,5 @@ registry = combined(
     cases_deepspeed_api,
     cases_deepspeed_inputs,
     cases_deepspeed_loss_grads,
+    cases_deepspeed_nested,
 )
