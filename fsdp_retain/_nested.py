@@ -35,6 +35,7 @@ them as passes of its own (``_pass_start`` and the backend's pass start).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -59,7 +60,8 @@ class NestedPasses:
     """The open span of one block, and how deep the nested passes run."""
 
     def __init__(self, open_span: Any) -> None:
-        self._open_span = open_span  # () -> Span, the backend's
+        # () -> Span, the block's bound method: weakly, the block is in no reference cycle.
+        self._open_span = weakref.WeakMethod(open_span)
         self._span: Span | None = None
         self._node: Any = None
         self._closed: list[Span] = []  # closed in the running pass
@@ -81,8 +83,9 @@ class NestedPasses:
             node = torch._C._current_autograd_node()
             if self._span is not None and self._node is not node:
                 self.close()  # the outer pass moved on to another node (unless nested)
-            if self._span is None:
-                self._span = self._open_span()
+            opener = self._open_span()
+            if self._span is None and opener is not None:
+                self._span = opener()
                 self._node = node
         self._counted.append(in_block_pass)
 

@@ -250,7 +250,13 @@ def test_nested_passes_form_one_span_per_node():
     from fsdp_retain._nested import NestedPasses
 
     log: list[str] = []
-    nested = NestedPasses(lambda: _RecordingSpan(log, sum(e.startswith("open") for e in log)))
+
+    class Block:  # NestedPasses holds the block's method weakly
+        def open_span(self) -> _RecordingSpan:
+            return _RecordingSpan(log, sum(e.startswith("open") for e in log))
+
+    block = Block()
+    nested = NestedPasses(block.open_span)
 
     class Tiled(torch.autograd.Function):
         @staticmethod
@@ -279,6 +285,11 @@ def test_nested_passes_form_one_span_per_node():
     nested.end_pass()
     assert log[3:] == ["close 1", "end 0", "end 1"], log
     nested.enter(False)  # inside a pass that is not the block's
+    nested.leave()
+    nested.end_pass()
+    assert len(log) == 6, log
+    del block  # gone: nested passes open no span
+    nested.enter(True)
     nested.leave()
     nested.end_pass()
     assert len(log) == 6, log
