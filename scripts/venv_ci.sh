@@ -3,11 +3,11 @@
 # replaced, via a constraints file) plus the stack. The default .venv has neither, so
 # there those tests are skipped.
 #
-#   scripts/venv_ci.sh deepspeed|bergson          # install, test, delete the venv
-#   scripts/venv_ci.sh deepspeed|bergson install  # with CI_VENV_DIR set: only make
-#                                                 # $CI_VENV_DIR/<stack> (CI, in the background)
-#   scripts/venv_ci.sh deepspeed|bergson test     # with CI_VENV_DIR set: test in it
-#                                                 # (installs first if it is missing)
+#   scripts/venv_ci.sh deepspeed|bergson|st          # install, test, delete the venv
+#   scripts/venv_ci.sh deepspeed|bergson|st install  # with CI_VENV_DIR set: only make
+#                                                    # $CI_VENV_DIR/<stack> (CI, in the background)
+#   scripts/venv_ci.sh deepspeed|bergson|st test     # with CI_VENV_DIR set: test in it
+#                                                    # (installs first if it is missing)
 #
 # deepspeed: tests/test_deepspeed.py with the pinned deepspeed extra, built without ops
 # (DS_BUILD_OPS=0), and transformers for the tiny Qwen2 (in the test extra).
@@ -15,14 +15,17 @@
 # bergson 2.5.1, which brings transformers. bergson declares torchvision and torchaudio
 # but never imports them, and with the CPU torch the registry's torchvision breaks
 # `import transformers` (`operator torchvision::nms does not exist`): they are uninstalled.
+# st: tests/test_sentence_transformers.py (examples/sentence_transformers_cached.py, FSDP2
+# and FSDP1) with the st extra (sentence-transformers[train] 6.2.0: datasets, accelerate).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv_install.sh
-stack=${1:?usage: scripts/venv_ci.sh deepspeed|bergson [install|test]}
+stack=${1:?usage: scripts/venv_ci.sh deepspeed|bergson|st [install|test]}
 step=${2:-all}
 case "$stack" in
   deepspeed) extras=(deepspeed test) packages=() unwanted=() tests=tests/test_deepspeed.py ;;
   bergson) extras=(test) packages=(bergson==2.5.1) unwanted=(torchvision torchaudio) tests=tests/test_bergson.py ;;
+  st) extras=(st test) packages=() unwanted=() tests=tests/test_sentence_transformers.py ;;
   *) echo "unknown stack: $stack" >&2; exit 2 ;;
 esac
 if [ -n "${CI_VENV_DIR:-}" ] && [ "$step" != all ]; then
