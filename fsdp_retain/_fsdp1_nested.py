@@ -25,13 +25,19 @@ _MISSING = object()
 
 class FSDP1Span(Span):
     """The nested passes of one node: every sharded unit holds its reductions and stays
-    gathered until the close."""
+    gathered until the close (``NO_SHARD`` units are left to FSDP1)."""
 
     def __init__(self, units: list[Unit], probing: bool) -> None:
         fsdp = internals()
         self._post = fsdp.HandleTrainingState.BACKWARD_POST
         self._hook = fsdp.post_backward_hook
         pre = fsdp.HandleTrainingState.BACKWARD_PRE
+        # A probe pass writes no parameter gradient: what every unit holds, to put back.
+        self._all = units
+        self._stash = [_keep_grad(u) for u in units] if probing else None
+        # NO_SHARD frees and gathers nothing: its hook all-reduces per nested pass, as
+        # without the block (its flat parameter's views are re-pointed by each reshard).
+        units = [u for u in units if u.handle.uses_sharded_strategy]
         self._units = units
         # Inside its own backward in the outer pass (the tiling inside the unit's
         # forward): it may run backward after the close, then its own hook reduces;
@@ -41,8 +47,6 @@ class FSDP1Span(Span):
         for unit in units:
             unit.in_span = True
             unit.state._sync_gradients = False
-        # A probe pass writes no parameter gradient: what the units hold, to put back.
-        self._stash = [_keep_grad(u) for u in units] if probing else None
 
     def close(self) -> None:
         self._restore()
@@ -73,7 +77,7 @@ class FSDP1Span(Span):
         for unit in self._units:
             unit.in_span = False
         if self._stash is not None:
-            for unit, saved in zip(self._units, self._stash):
+            for unit, saved in zip(self._all, self._stash):
                 _put_grad(unit, saved)
             self._stash = None
 

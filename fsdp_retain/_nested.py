@@ -9,24 +9,28 @@ forward and, in its ``backward``, recomputes each tile with grad enabled and cal
 mini-batches from a hook on the loss, one forward and one backward each. Reentrant
 activation checkpointing does the same once per checkpointed region.
 
-FSDP expects each unit's backward once per pass. FSDP2 takes a unit's forward after
-its pre-backward for an activation-checkpointing recomputation (no hooks), and runs
-its post-backward (the reduction) once per pass: the gradients of a second tile
-through a unit would stay unreduced and land in a later pass, or nowhere.
+FSDP and ZeRO-3 expect each unit's backward once per pass. FSDP2 takes a unit's
+forward after its pre-backward for an activation-checkpointing recomputation (no
+hooks), and runs its post-backward (the reduction) once per pass: the gradients of a
+second tile through a unit would stay unreduced and land in a later pass, or nowhere.
+FSDP1 reduces and frees in each tile's backward (the next tile of a unit whose forward
+tiles computes with freed storage); ZeRO-3 queues a parameter for reduction once per
+tile and fails its bucket check.
 
 So the block groups the nested passes that one node of one of its passes runs (the
 node ``torch._C._current_autograd_node()`` names when the first starts) into a
-**span**. When a span opens the backend holds the reductions of the units that are
-not inside their own backward already and keeps them gathered (``_open_span``); the
-nested passes then accumulate into the unsharded gradients, as tiles of one pass
-should. The span closes when the outer pass moves on: a nested pass from another
-node, a unit's pre-backward in the outer pass (the backend calls ``close``), or the
-end of the pass, before FSDP's own end-of-pass work (``end_pass``). Then each unit whose backward
-ran reduces, once, what the span accumulated, as the policy says for the pass
-(reduce, or hold back for ``sync_grads="last"``), and is resharded or kept as
-between passes. In a probe pass (``param_grads=False``) the block writes no
-parameter gradient: what the nested passes accumulated is dropped, and what the
-units held before the span is put back.
+**span**. When a span opens the backend holds the reductions of its units and keeps
+them gathered (``BlockBase._open_span``); the nested passes then accumulate into the
+unsharded gradients, as tiles of one pass should. The span closes when the outer pass
+moves on: a nested pass from another node, a unit's pre-backward in the outer pass
+(FSDP2 and ZeRO-3 see it and call ``close``), or the end of the pass, before FSDP's own
+end-of-pass work (``end_pass``). Then each unit whose backward ran reduces, once, what
+the span accumulated, as the policy says for the pass (reduce, or hold back for
+``sync_grads="last"``), and is resharded or kept as between passes; a unit still
+inside its own backward in the outer pass reduces when that backward ends (its own
+post-backward, or ``Span.end_of_pass``). In a probe pass (``param_grads=False``) the
+block writes no parameter gradient: what the nested passes accumulated is dropped, and
+what the units held before the span is put back.
 
 Nested passes inside a pass that is not the block's (a hook on a loss whose graph
 never reaches the model, as a cached loss) are FSDP's own passes: the block sees

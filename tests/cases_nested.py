@@ -319,6 +319,11 @@ _EXTRAS = {
 for _case_name, _case in _EXTRAS.items():
     registry.add(_case_name, functools.partial(check_tiled, _case))
 
+# NO_SHARD: right; FSDP1 all-reduces per tile, as without the block (parity only).
+for backend, sync in (("fsdp1", "every"), ("fsdp1_flat", "last")):
+    registry.add(f"{backend}_noshard_tiled_{sync}", functools.partial(run_tiled, Tiled(
+        setup=Setup(backend=backend, strategy="NO_SHARD"), sync=sync, probe_between=True)))
+
 for keep, sync in ((True, "every"), (False, "last")):
     registry.add(_name("fsdp2_hsdp_tiled_", dict(keep=keep, sync=sync)),
                  functools.partial(check_tiled, Tiled(setup=Setup(hsdp=True), keep=keep, sync=sync)),
