@@ -277,7 +277,10 @@ def check_tiled(case: Tiled) -> None:
     units, trainable = _units(model, case.setup)
     reducing = 1 if case.sync == "last" else 2  # probe passes reduce nothing
     per_unit = 2 if case.setup.hsdp else 1  # HSDP: a reduce-scatter and an all-reduce
-    assert counts.all_gather == units, f"{case}: {counts.as_dict()}, {units} units"
+    # FSDP2 on torch 2.9 gathers one unit again in the last announced pass (also
+    # without tiles: the comparison above), once it frees what it reduced.
+    extra = (0, 1) if case.backwards and case.setup.backend == "fsdp2" else (0,)
+    assert counts.all_gather - units in extra, f"{case}: {counts.as_dict()}, {units} units"
     assert _reduces(counts) == trainable * reducing * per_unit, (
         f"{case}: {counts.as_dict()}, {trainable} trainable units x {reducing} reducing passes")
 
