@@ -12,7 +12,8 @@ SGD-momentum steps, with an unsharded copy whose gradients are averaged over the
   forward), a covering array (strength 2) over where the tiling sits (``inside``),
   ``keep_unsharded``, ``sync_grads``, ``backwards`` and a probe pass first. Plain ZeRO-3
   fails on the duplicate bucket entry for every tile after the first
-  (``nested_tiled_without_the_block_fails``).
+  (``nested_tiled_without_the_block_fails``). ``block.grads`` per loss after a probe
+  pass, combined into ``.grad`` (``nested_tiled_module_grads_probe``).
 - ``nested_cached_*``: ``cached_step`` replaying its mini-batches from a hook on the loss
   (inside the trainer's backward, which never reaches the engine) or after it; with
   ``sync_grads="last"`` a replay's forward after a held pass is refused.
@@ -25,6 +26,7 @@ import copy
 import torch
 
 import deepspeed
+import fsdp_retain
 from fsdp_retain import no_reshard_between_backwards
 from fsdp_retain._common import RetainError
 from tests import nested_models as nm
@@ -76,7 +78,8 @@ def _modules_with_params(model: torch.nn.Module) -> int:
     return sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
 
 
-def _tiled(inside: bool, keep: bool, sync: str, backwards: bool, probe: bool) -> None:
+def _tiled(inside: bool, keep: bool, sync: str, backwards: bool, probe: bool,
+           grads: bool = False) -> None:
     engine, ref, ref_opt = _engine(nm.make_tiled(tiles=TILES, inside=inside))
     passes = 2 + int(probe)
     options = dict(keep_unsharded=keep, sync_grads=sync, backwards=passes if backwards else None)
@@ -94,8 +97,13 @@ def _tiled(inside: bool, keep: bool, sync: str, backwards: bool, probe: bool) ->
                 out = engine(x)
                 if probe:
                     block.backward(nm.loss2(out), param_grads=False, retain_graph=True)
-                engine.backward(nm.loss1(out), retain_graph=True)
-                engine.backward(nm.loss2(out))
+                if grads:  # per-loss gradients around the tiles' passes, then .grad
+                    per_loss = [block.grads(nm.loss1(out), retain_graph=True),
+                                block.grads(nm.loss2(out))]
+                    fsdp_retain.apply_grads(fsdp_retain.combine(per_loss, [1.0, 1.0]))
+                else:
+                    engine.backward(nm.loss1(out), retain_graph=True)
+                    engine.backward(nm.loss2(out))
                 assert block.backward_passes == passes, block.backward_passes
         counts = dict(counts)
         # One reduce-scatter per reducing pass (the bucket holds every gradient of this
@@ -136,6 +144,8 @@ def _tiled_without_the_block() -> None:
 
 
 registry.add("nested_tiled_without_the_block_fails", _tiled_without_the_block)
+registry.add("nested_tiled_module_grads_probe", lambda: _tiled(
+    inside=False, keep=False, sync="every", backwards=False, probe=True, grads=True))
 
 
 def _cached(replay: str, keep: bool) -> None:
