@@ -21,10 +21,10 @@ So the block groups the nested passes that one node of one of its passes runs (t
 node ``torch._C._current_autograd_node()`` names when the first starts) into a
 **span**. When a span opens the backend holds the reductions of its units and keeps
 them gathered (``BlockBase._open_span``); the nested passes then accumulate into the
-unsharded gradients, as tiles of one pass should. The span closes when the outer pass
-moves on: a nested pass from another node, a unit's pre-backward in the outer pass
-(FSDP2 and ZeRO-3 see it and call ``close``), or the end of the pass, before FSDP's own
-end-of-pass work (``end_pass``). Then each unit whose backward ran reduces, once, what
+unsharded gradients, as tiles of one pass should. The span closes when the node is done
+(a post hook on it), or earlier where the outer pass has moved on: a nested pass from
+another node, a unit's pre-backward in the outer pass (FSDP2 and ZeRO-3 see it and call
+``close``), the end of the pass, before FSDP's own end-of-pass work (``end_pass``). Then each unit whose backward ran reduces, once, what
 the span accumulated, as the policy says for the pass (reduce, or hold back for
 ``sync_grads="last"``), and is resharded or kept as between passes; a unit still
 inside its own backward in the outer pass reduces when that backward ends (its own
@@ -68,6 +68,7 @@ class NestedPasses:
         self._open_span = weakref.WeakMethod(open_span)
         self._span: Span | None = None
         self._node: Any = None
+        self._node_hook: Any = None
         self._closed: list[Span] = []  # closed in the running pass
         self._counted: list[bool] = []  # per running nested pass: inside a block pass?
 
@@ -91,6 +92,8 @@ class NestedPasses:
             if self._span is None and opener is not None:
                 self._span = opener()
                 self._node = node
+                if node is not None:  # closes when the node is done
+                    self._node_hook = node.register_hook(_closer(self))
         self._counted.append(in_block_pass)
 
     def leave(self) -> None:
@@ -102,6 +105,7 @@ class NestedPasses:
         if self._span is None or self.depth:
             return
         span, self._span, self._node = self._span, None, None
+        self._remove_hook()
         self._closed.append(span)
         span.close()
 
@@ -115,7 +119,26 @@ class NestedPasses:
 
     def abort(self) -> None:
         span, self._span, self._node = self._span, None, None
+        self._remove_hook()
         self._counted.clear()
         self._closed.clear()
         if span is not None:
             span.abort()
+
+    def _remove_hook(self) -> None:
+        if self._node_hook is not None:
+            self._node_hook.remove()  # torch copies a node's hooks before calling them
+            self._node_hook = None
+
+
+def _closer(nested: NestedPasses) -> Any:
+    """A post hook for the span's node: the node is done, and its nested passes with it.
+    Weakly: the graph may outlive the block."""
+    ref = weakref.ref(nested)
+
+    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+        alive = ref()
+        if alive is not None:
+            alive.close()
+
+    return hook

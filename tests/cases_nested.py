@@ -363,6 +363,33 @@ def fsdp1_plain_tiled_gathers_and_reduces_per_tile() -> None:
 
 
 @registry.case()
+def fsdp2_span_closes_when_its_node_is_done() -> None:
+    """keep_unsharded=False: when the backward reaches the norm before a tiled MLP (its
+    input), the MLP is already resharded and its gradient reduced, not held until a
+    later unit's pre-backward (the span closes on the tiled node's post hook)."""
+    from fsdp_retain._fsdp2_inspect import fsdp2_param_groups
+
+    model = Setup().wrap(make_tiled())
+    seen = []
+
+    def check(mlp: nn.Module, grad: torch.Tensor) -> None:
+        (group,) = fsdp2_param_groups(mlp)
+        seen.append((group.is_sharded, all(p.grad is not None for p in mlp.parameters())))
+
+    def hook_output(mlp: nn.Module, norm: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            out.register_hook(functools.partial(check, mlp))
+
+    handles = [layer.norm.register_forward_hook(functools.partial(hook_output, layer.mlp))
+               for layer in model.layers]
+    with no_reshard_between_backwards(model, keep_unsharded=False):
+        loss1(model(tokens(dist.get_rank(), 0))).backward()
+    for handle in handles:
+        handle.remove()
+    assert seen == [(True, True)] * 2, seen
+
+
+@registry.case()
 def per_tile_autograd_grad_is_refused() -> None:
     """Liger-Kernel's per-tile ``torch.autograd.grad`` over the MLP's parameters: FSDP's
     forward used unsharded copies, so the block refuses before anything is written."""
