@@ -266,6 +266,19 @@ def test_missing_package_named_up_front(tmp_path, script, args, hidden, install)
     assert "agreement" not in proc.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is not None,
+                    reason="sentence-transformers is installed (tests/test_sentence_transformers.py)")
+def test_sentence_transformers_example_names_its_extra():
+    """examples/sentence_transformers_cached.py where sentence-transformers is missing (the
+    default venv): one message naming the st extra, before any rank starts work."""
+    proc = _torchrun("sentence_transformers_cached.py", count_blocks=False, via_torchrun=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert out.count("error: examples/sentence_transformers_cached.py needs sentence_transformers") == 1, out[-4000:]
+    assert f" {FROM_CLONE.format('st')}" in out, out[-4000:]
+    assert "ModuleNotFoundError" not in out and "agreement" not in proc.stdout, out[-4000:]
+
+
 @pytest.mark.parametrize(
     "config, version, wrapper",
     [("fsdp2.yaml", 2, "FSDPNet"), ("fsdp1.yaml", 1, "FullyShardedDataParallel")],
