@@ -33,8 +33,7 @@ and the parameter coordinator):
 
 - Nested backward passes (a tiled MLP, a cached loss; see [Note: nested backward
   passes] in ``_nested.py``): the span of ``_deepspeed_nested.py`` holds ZeRO-3's
-  per-parameter reductions and, with ``keep_unsharded=False``, its releases, and a
-  module's pre-backward in the outer pass (the guard hook on its outputs) closes it.
+  per-parameter reductions and, with ``keep_unsharded=False``, its releases.
   A cached loss's replay inside another model's backward starts its pass from the
   engine output's prologue hook (``_prologue_from_output_hook``).
 
@@ -80,7 +79,6 @@ refused when it is above 1 (``engine.backward`` scales the loss itself).
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import Any
 
 import torch
@@ -205,7 +203,6 @@ class DeepSpeedBlock(BlockBase):
         self._saved_coalesce: bool | None = None
         self._prologue: Any = None  # the engine's _backward_prologue, shadowed in the block
         self._lookup = ZeroParams(self._root, _INPUTS_REFUSED)  # passes with inputs=
-        self._close_span = _weakly(self.nested.close)  # the graph's hooks outlive the block
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -311,11 +308,10 @@ class DeepSpeedBlock(BlockBase):
             self._graph.record(output, self._root, lambda p: p.ds_shape, self._flavour)
 
     def _guard_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Forward hook on each ZeRO-3 module: see ``output_reached``. On the
+        """Forward hook on each ZeRO-3 module: see ``backward_after_exit``. On the
         engine's outputs it runs before DeepSpeed's own hooks (registered later)."""
         if torch.is_grad_enabled() and not self._in_backward():
-            # A module's pre-backward in the outer pass: see [Note: nested backward passes].
-            self._graph.guard(output, self._close_span)
+            self._graph.guard(output)
 
     def _refuse_forward_after_held(self, engine: Any, args: Any) -> None:
         # Also a cached loss's replay inside another model's backward.
@@ -462,17 +458,6 @@ def _nodes_from_before(root: nn.Module, flavour: str) -> list[Any]:
             if node is not None:
                 found.append(node)
     return found
-
-
-def _weakly(method: Any) -> Any:
-    ref = weakref.WeakMethod(method)
-
-    def call() -> None:
-        bound = ref()
-        if bound is not None:
-            bound()
-
-    return call
 
 
 def _step_inside_block(*args: Any, **kwargs: Any) -> None:

@@ -45,12 +45,10 @@ def held_node(param: torch.nn.Parameter, shape: tuple[int, ...], flavour: str) -
 
 
 @loud
-def output_reached(alive: Liveness, reached: Callable[[], None], grad: torch.Tensor) -> None:
-    """A backward reaches a module output of the block: refused after the block
-    exited, else ``reached()``."""
+def backward_after_exit(alive: Liveness, grad: torch.Tensor) -> None:
+    """Refuses a backward over a module output of the block after the block exited."""
     if alive.exited:
         raise RetainError(AFTER_EXIT)
-    reached()
 
 
 class ForwardGraph:
@@ -82,9 +80,9 @@ class ForwardGraph:
                 self.acc_grads.append(node)
             self.param_nodes.append((param, node))
 
-    def guard(self, output: Any, reached: Callable[[], None]) -> None:
-        """See ``output_reached``."""
-        guard = functools.partial(output_reached, self.alive, reached)
+    def guard(self, output: Any) -> None:
+        """See ``backward_after_exit``."""
+        guard = functools.partial(backward_after_exit, self.alive)
         for tensor in grad_tensors(output):
             tensor.register_hook(guard)  # lives as long as the graph
 

@@ -256,8 +256,6 @@ class FSDP2Block(BlockBase):
 
     def _wrap_pass_start(self, state: Any, original):
         def register_final_callback() -> None:
-            # A unit's pre-backward in the outer pass: see [Note: nested backward passes].
-            self.nested.close()
             if not self._state._state_ctx.post_backward_final_callback_queued:
                 self._on_pass_start()
                 original()

@@ -22,9 +22,8 @@ node ``torch._C._current_autograd_node()`` names when the first starts) into a
 **span**. When a span opens the backend holds the reductions of its units and keeps
 them gathered (``BlockBase._open_span``); the nested passes then accumulate into the
 unsharded gradients, as tiles of one pass should. The span closes when the node is done
-(a post hook on it), or earlier where the outer pass has moved on: a nested pass from
-another node, a unit's pre-backward in the outer pass (FSDP2 and ZeRO-3 see it and call
-``close``), the end of the pass, before FSDP's own end-of-pass work (``end_pass``). Then each unit whose backward ran reduces, once, what
+(a post hook on it; a nested pass from another node, or the end of the pass before
+FSDP's own end-of-pass work, ``end_pass``, close one whose hook did not run). Then each unit whose backward ran reduces, once, what
 the span accumulated, as the policy says for the pass (reduce, or hold back for
 ``sync_grads="last"``), and is resharded or kept as between passes; a unit still
 inside its own backward in the outer pass reduces when that backward ends (its own
