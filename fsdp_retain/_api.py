@@ -86,7 +86,7 @@ def fsdp_flavour(module: nn.Module) -> str | None:
 
     if isinstance(module, FullyShardedDataParallel):
         return "fsdp1"
-    from ._fsdp2_compat import is_fsdp2_module
+    from ._fsdp2 import is_fsdp2_module
 
     if is_fsdp2_module(module):
         return "fsdp2"
@@ -132,8 +132,7 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
         from ._fsdp2 import FSDP2Block
 
         return FSDP2Block(model, options)
-    from ._fsdp1 import FSDP1Block
-    from ._fsdp1_units import shard_groups
+    from ._fsdp1 import FSDP1Block, shard_groups
 
     if options.reshard_to is not None:
         # HYBRID_SHARD over groups of reshard_to ranks already re-gathers inside them.

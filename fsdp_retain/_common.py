@@ -29,7 +29,7 @@ assumes each graph is walked exactly once:
   pointing ``param.data`` at an empty tensor; the graph saved the parameter
   itself, so pass 2 sees size 0. Its pre-backward fetch and post-backward
   release are counted once per forward, and its gradient reduction copies
-  over the previous pass while ``micro_step_id == 0``; see ``_deepspeed.py``.
+  over the previous pass while ``micro_step_id == 0``; see ``_deepspeed/_block.py``.
 
 FSDP1 and FSDP2 learn that a backward starts, and re-gather a unit, from hooks on unit
 outputs. A pass that starts inside a unit, or reaches a unit's parameters

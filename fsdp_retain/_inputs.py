@@ -2,7 +2,7 @@
 
 ``BlockBase.map_inputs`` (``_lifecycle.py``) calls ``map_inputs`` here; the
 backends answer ``_graph_inputs`` (what stands for a parameter in the graph),
-``_param_storages`` and ``_select_grads`` (FSDP1: ``_fsdp1_inputs.py``).
+``_param_storages`` and ``_select_grads`` (FSDP1: ``_fsdp1/_inputs.py``).
 
 [Note: inputs that name parameters]
 ``loss.backward(inputs=params)`` and ``torch.autograd.grad(loss, params)``

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import BackwardPrefetch
 
 from fsdp_retain import no_reshard_between_backwards
-from fsdp_retain._fsdp1_inspect import fsdp1_handles
+from fsdp_retain._fsdp1._inspect import fsdp1_handles
 from fsdp_retain._measure import count_collectives
 from tests import fsdp1_utils as f1
 from tests.fsdp1_checks import assert_restored

@@ -26,8 +26,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdp_retain import no_reshard_between_backwards
-from fsdp_retain._fsdp2_compat import unsharded_bytes
-from fsdp_retain._fsdp2_inspect import fsdp2_all_sharded, fsdp2_param_groups
+from fsdp_retain._fsdp2._compat import unsharded_bytes
+from fsdp_retain._fsdp2._inspect import fsdp2_all_sharded, fsdp2_param_groups
 from fsdp_retain._measure import count_collectives
 from tests import fsdp2_utils as f2
 from tests.harness import Registry

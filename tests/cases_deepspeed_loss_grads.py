@@ -1,5 +1,5 @@
 """Per-loss gradients on DeepSpeed ZeRO-3 (CPU, gloo): ``block.grads(loss)`` reads ZeRO-3's
-gradient partitions (``fsdp_retain/_deepspeed_grads.py``), ``apply_grads`` writes them.
+gradient partitions (``fsdp_retain/_deepspeed/_grads.py``), ``apply_grads`` writes them.
 
 The tiny Qwen2 of ``cases_deepspeed_common`` and three conflicting losses over one
 forward; the reference is the one-process method on the unsharded copy, as in

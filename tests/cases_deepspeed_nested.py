@@ -2,7 +2,7 @@
 a tiled MLP and a GradCache cached loss (``tests/nested_models.py``), run by
 ``tests/test_deepspeed.py``. See [Note: nested backward passes] in
 ``fsdp_retain/_nested.py`` and [Note: ZeRO-3 reductions in a span] in
-``fsdp_retain/_deepspeed_nested.py``.
+``fsdp_retain/_deepspeed/_nested.py``.
 
 ZeRO-3 refuses float64, so everything runs in fp32 and is compared, after each of 3
 SGD-momentum steps, with an unsharded copy whose gradients are averaged over the ranks

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_retain import no_reshard_between_backwards
-from fsdp_retain._fsdp1_inspect import fsdp1_snapshot
+from fsdp_retain._fsdp1._inspect import fsdp1_snapshot
 from tests import fsdp1_utils as f1
 from tests.fsdp1_compose_utils import GRID, _check_usable, _tag, _warm_up, assert_same_state
 from tests.harness import Registry

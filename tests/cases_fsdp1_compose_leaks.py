@@ -18,7 +18,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from fsdp_retain import no_reshard_between_backwards
 from fsdp_retain._fsdp1 import FSDP1Block
-from fsdp_retain._fsdp1_inspect import fsdp1_handles, fsdp1_snapshot
+from fsdp_retain._fsdp1._inspect import fsdp1_handles, fsdp1_snapshot
 from tests import fsdp1_utils as f1
 from tests.fsdp1_compose_utils import BF16_MP
 from tests.harness import Registry

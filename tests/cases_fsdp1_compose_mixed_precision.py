@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fsdp_retain import no_reshard_between_backwards
-from fsdp_retain._fsdp1_inspect import fsdp1_snapshot
+from fsdp_retain._fsdp1._inspect import fsdp1_snapshot
 from tests import fsdp1_utils as f1
 from tests.fsdp1_compose_utils import (
     BF16_MP,

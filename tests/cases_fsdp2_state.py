@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from fsdp_retain import no_reshard_between_backwards
-from fsdp_retain._fsdp2_inspect import fsdp2_all_sharded, fsdp2_snapshot
+from fsdp_retain._fsdp2._inspect import fsdp2_all_sharded, fsdp2_snapshot
 from fsdp_retain._measure import count_collectives
 from tests import any_start
 from tests import fsdp2_utils as f2

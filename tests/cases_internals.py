@@ -13,9 +13,10 @@ import functools
 import pytest
 import torch
 
-from fsdp_retain import _fsdp2_compat, no_reshard_between_backwards
-from fsdp_retain._fsdp1_inspect import fsdp1_snapshot
-from fsdp_retain._fsdp2_inspect import fsdp2_snapshot
+from fsdp_retain import no_reshard_between_backwards
+from fsdp_retain._fsdp2 import _compat as _fsdp2_compat
+from fsdp_retain._fsdp1._inspect import fsdp1_snapshot
+from fsdp_retain._fsdp2._inspect import fsdp2_snapshot
 from tests import fsdp1_utils as f1
 from tests import fsdp2_utils as f2
 from tests.harness import Registry

@@ -105,7 +105,7 @@ class Setup:
 def _units(model: nn.Module, setup: Setup) -> tuple[int, int]:
     """(units, units with a trainable parameter) of the wrapped model."""
     if setup.backend == "fsdp2":
-        from fsdp_retain._fsdp2_inspect import fsdp2_param_groups
+        from fsdp_retain._fsdp2._inspect import fsdp2_param_groups
 
         groups = fsdp2_param_groups(model)
         trainable = [g for g in groups if any(p.sharded_param.requires_grad for p in g.fsdp_params)]
@@ -367,7 +367,7 @@ def fsdp2_span_closes_when_its_node_is_done() -> None:
     """keep_unsharded=False: when the backward reaches the norm before a tiled MLP (its
     input), the MLP is already resharded and its gradient reduced, not held until a
     later unit's pre-backward (the span closes on the tiled node's post hook)."""
-    from fsdp_retain._fsdp2_inspect import fsdp2_param_groups
+    from fsdp_retain._fsdp2._inspect import fsdp2_param_groups
 
     model = Setup().wrap(make_tiled())
     seen = []
@@ -409,7 +409,7 @@ def exception_in_a_tile_restores_fsdp2() -> None:
     """A tile raises midway through the span: the block exits, the groups' flags are
     as before the block, and the next step trains right."""
     model = Setup().wrap(make_tiled())
-    from fsdp_retain._fsdp2_inspect import fsdp2_param_groups
+    from fsdp_retain._fsdp2._inspect import fsdp2_param_groups
 
     flags = [(g.reduce_grads, g.reshard_after_backward) for g in fsdp2_param_groups(model)]
     calls = {"n": 0}

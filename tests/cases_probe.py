@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 
 from fsdp_retain import no_reshard_between_backwards
-from fsdp_retain._fsdp1_inspect import fsdp1_handles
-from fsdp_retain._fsdp2_inspect import fsdp2_param_groups
+from fsdp_retain._fsdp1._inspect import fsdp1_handles
+from fsdp_retain._fsdp2._inspect import fsdp2_param_groups
 from fsdp_retain._measure import count_collectives
 from tests import fsdp1_utils as f1
 from tests import fsdp2_utils as f2

@@ -23,8 +23,8 @@ import pytest
 import torch.distributed as dist
 
 from fsdp_retain import no_reshard_between_backwards
-from fsdp_retain._fsdp2_inspect import fsdp2_all_sharded, fsdp2_param_groups
-from fsdp_retain._fsdp2_compat import param_groups
+from fsdp_retain._fsdp2._inspect import fsdp2_all_sharded, fsdp2_param_groups
+from fsdp_retain._fsdp2._compat import param_groups
 from tests import fsdp2_utils as f2
 from tests.harness import Registry
 from tests.parity import Scenario, batch, make_net, reference_copy, run_parity

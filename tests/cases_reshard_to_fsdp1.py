@@ -26,7 +26,7 @@ import pytest
 import torch.distributed as dist
 
 from fsdp_retain import no_reshard_between_backwards
-from fsdp_retain._fsdp1_inspect import fsdp1_handles
+from fsdp_retain._fsdp1._inspect import fsdp1_handles
 from tests import fsdp1_utils as f1
 from tests.cases_reshard_to import gathers_by_phase
 from tests.fsdp1_checks import assert_restored

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from fsdp_retain._common import ACTIVE_ATTR
-from fsdp_retain._fsdp1_inspect import fsdp1_handles
+from fsdp_retain._fsdp1._inspect import fsdp1_handles
 from tests import fsdp1_utils as f1
 
 

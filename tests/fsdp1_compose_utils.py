@@ -23,7 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.fsdp import MixedPrecision
 
 from fsdp_retain import no_reshard_between_backwards
-from fsdp_retain._fsdp1_inspect import fsdp1_snapshot
+from fsdp_retain._fsdp1._inspect import fsdp1_snapshot
 from tests import fsdp1_utils as f1
 from tests.parity import (
     LOSSES,

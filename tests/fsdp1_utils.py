@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from fsdp_retain._fsdp1_inspect import fsdp1_handles, unsharded_storage_bytes
+from fsdp_retain._fsdp1._inspect import fsdp1_handles, unsharded_storage_bytes
 from tests.parity import Adapter, Block, device, world
 
 FULL = ShardingStrategy.FULL_SHARD

@@ -94,7 +94,7 @@ def wrap(
 
 def units(model: nn.Module) -> int:
     """FSDP units with parameters: the wrapped blocks and the root."""
-    from fsdp_retain._fsdp2_inspect import fsdp2_param_groups
+    from fsdp_retain._fsdp2._inspect import fsdp2_param_groups
 
     return len(fsdp2_param_groups(model))
 

@@ -73,8 +73,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import _pass_start
-from ._common import (
+from .. import _pass_start
+from .._common import (
     RetainError,
     compiling,
     grad_tensors,
@@ -83,12 +83,12 @@ from ._common import (
     queue_callback,
     require_attr,
 )
-from ._fsdp1_compat import FLAVOUR, check_installable, internals
-from ._fsdp1_grads import GradLedger
-from ._fsdp1_loss_grads import FlatGradSlots
-from ._fsdp1_nested import FSDP1Span
-from ._fsdp1_inputs import ParamIndex
-from ._fsdp1_mechanics import (
+from ._compat import FLAVOUR, check_installable, internals
+from ._grads import GradLedger
+from ._loss_grads import FlatGradSlots
+from ._nested import FSDP1Span
+from ._inputs import ParamIndex
+from ._mechanics import (
     SyncFlags,
     open_inside_root_forward,
     pre_backward,
@@ -99,17 +99,17 @@ from ._fsdp1_mechanics import (
     reshard_all,
     settle_root_forward,
 )
-from ._fsdp1_guards import (
+from ._guards import (
     GRADS_OF_GRADS,
     PostBackwardCheck,
     check_not_outside,
     check_sharded_grads,
 )
-from ._fsdp1_units import ForwardRecorder, Unit, backward_order, make_units
-from ._lifecycle import BlockBase
-from ._loss_grads import GradSlots
-from ._nested import Span
-from ._policy import RetainOptions
+from ._units import ForwardRecorder, Unit, backward_order, make_units
+from .._lifecycle import BlockBase
+from .._loss_grads import GradSlots
+from .._nested import Span
+from .._policy import RetainOptions
 
 
 @loud
@@ -137,7 +137,7 @@ class FSDP1Block(BlockBase):
         self._freeing = False  # the last known pass started, or the block exits
         self._pass_open = False
         self._had_sentinels = False
-        # See [Note: what the FSDP1 guards check] in _fsdp1_guards.py.
+        # See [Note: what the FSDP1 guards check] in _guards.py.
         self._post_backward = PostBackwardCheck()
         self._recorder: ForwardRecorder | None = None
         self._ledger: GradLedger | None = None

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ._grad_layout import Selection, per_param_layout
-from ._loss_grads import GradSlots
+from .._grad_layout import Selection, per_param_layout
+from .._loss_grads import GradSlots
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """Which FSDP2 states a backward pass uses, from the autograd nodes of the forwards.
 
-Part of the FSDP2 backend with ``_fsdp2.py`` (private FSDP2 access). For each
+Part of the FSDP2 backend with ``_block.py`` (private FSDP2 access). For each
 state, forward hooks on its modules record the autograd nodes of its outputs
 (where FSDP2's pre-backward hooks are) and of its inputs plus the
 ``AccumulateGrad`` nodes of its unsharded parameters; a pass that runs one of
@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import _pass_start
-from ._common import compiling, grad_tensors, require_attr
-from ._fsdp2_compat import FLAVOUR, forward_running, local_storage, param_groups
-from ._inputs import ParamLookup
+from .. import _pass_start
+from .._common import compiling, grad_tensors, require_attr
+from ._compat import FLAVOUR, forward_running, local_storage, param_groups
+from .._inputs import ParamLookup
 
 
 _NODE_ATTR = "_fsdp_retain_accumulate_node"

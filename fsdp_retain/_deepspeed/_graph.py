@@ -2,7 +2,7 @@
 ``AccumulateGrad`` nodes, the nodes of the block's forwards (``ForwardGraph``), the
 guard left on the graphs, and the graph's leaf for a parameter named in ``inputs``.
 
-Part of the DeepSpeed backend with ``_deepspeed.py``, which holds every access
+Part of the DeepSpeed backend with ``_block.py``, which holds every access
 to DeepSpeed itself; this module sees only tensors, parameters and autograd
 nodes (autograd-private calls as in ``_pass_start.py``).
 """
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from ._common import Liveness, RetainError, grad_tensors, loud, require_attr
-from ._inputs import ParamLookup
+from .._common import Liveness, RetainError, grad_tensors, loud, require_attr
+from .._inputs import ParamLookup
 
 AFTER_EXIT = (
     "no_reshard_between_backwards: this backward runs over a graph whose forward ran "

@@ -1,6 +1,6 @@
 """FSDP1's gradient holders as ``block.grads`` sees them (private FSDP1 access).
 
-Part of the FSDP1 backend with ``_fsdp1.py``; see [Note: per-loss gradients] in
+Part of the FSDP1 backend with ``_block.py``; see [Note: per-loss gradients] in
 ``_loss_grads.py`` and [Note: which parameters a per-loss gradient covers] in
 ``_grad_layout.py``. ``FlatGradSlots``: where FSDP1 keeps the reduced gradients (each
 unit's flat parameter and, with ``use_orig_params=True``, the original parameters'
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ._fsdp1_units import Unit
-from ._grad_layout import Layout, Segment, Selection, clean_name
-from ._loss_grads import GradSlots
+from ._units import Unit
+from .._grad_layout import Layout, Segment, Selection, clean_name
+from .._loss_grads import GradSlots
 
 
 class FlatGradSlots(GradSlots):

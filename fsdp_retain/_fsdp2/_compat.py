@@ -1,6 +1,6 @@
 """FSDP2 (``fully_shard``) internals the block uses, across torch versions.
 
-Part of the FSDP2 backend with ``_fsdp2.py``: every version difference and
+Part of the FSDP2 backend with ``_block.py``: every version difference and
 every private FSDP2 name the block reads or calls outside its per-unit flags
 lives here, checked when a block installs (``require_attr``: a missing
 internal raises, naming the torch version).
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._common import missing_internal, require_attr, require_attrs
+from .._common import missing_internal, require_attr, require_attrs
 
 FLAVOUR = "FSDP2"
 PASS_START_HOOK = "_register_root_post_backward_final_callback"

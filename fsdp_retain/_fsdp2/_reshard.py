@@ -2,7 +2,7 @@
 resharding to groups of ranks (``reshard_to``), and which parameters the modules of a
 group kept unsharded show (``ShownParams``).
 
-Part of the FSDP2 backend with ``_fsdp2.py`` (private FSDP2 access).
+Part of the FSDP2 backend with ``_block.py`` (private FSDP2 access).
 
 [Note: resharding to groups of ranks between passes]
 FSDP2 built with ``reshard_after_forward=<int>`` reshards a parameter group after
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from ._common import compiling, is_compiled_in_place, require_attrs, warn_once
-from ._fsdp2_compat import FLAVOUR, post_forward_mesh_info, training_state_enum
-from ._policy import Policy
+from .._common import compiling, is_compiled_in_place, require_attrs, warn_once
+from ._compat import FLAVOUR, post_forward_mesh_info, training_state_enum
+from .._policy import Policy
 
 _MISSING = object()
 # What FSDP2 keeps per parameter for its post-forward mesh (set at fully_shard when
@@ -96,7 +96,7 @@ class ShownParams:
 
 
 def set_group_flags(groups: list[Any], kept: set[int], holds_back: bool) -> None:
-    """The flags of ``_fsdp2.py``'s docstring: kept groups stay unsharded from the
+    """The flags of ``_block.py``'s docstring: kept groups stay unsharded from the
     forward through every pass; the others reshard after each backward."""
     for group in groups:
         if id(group) in kept:

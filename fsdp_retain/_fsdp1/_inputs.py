@@ -1,7 +1,7 @@
 """FSDP1 parameters named in a pass's ``inputs``: the backend's part of
 [Note: inputs that name parameters] (``_inputs.py``).
 
-Part of the FSDP1 backend with ``_fsdp1.py``. ``ParamIndex`` finds the unit of a
+Part of the FSDP1 backend with ``_block.py``. ``ParamIndex`` finds the unit of a
 parameter the user holds (a flat parameter, an original parameter of
 ``use_orig_params=True``, a tied duplicate, a view a forward used), answers
 what stands for it in the graph (the ``AccumulateGrad`` nodes the unit's
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from ._fsdp1_compat import acc_grad_node, orig_params, param_segments, storage_ptrs
-from ._fsdp1_units import Unit
-from ._inputs import ParamLookup
+from ._compat import acc_grad_node, orig_params, param_segments, storage_ptrs
+from ._units import Unit
+from .._inputs import ParamLookup
 
 
 class ParamIndex(ParamLookup):

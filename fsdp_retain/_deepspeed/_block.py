@@ -32,7 +32,7 @@ and the parameter coordinator):
   engine prologue and the partition bookkeeping above.
 
 - Nested backward passes (a tiled MLP, a cached loss; see [Note: nested backward
-  passes] in ``_nested.py``): the span of ``_deepspeed_nested.py`` holds ZeRO-3's
+  passes] in ``_nested.py``): the span of ``_nested.py`` holds ZeRO-3's
   per-parameter reductions and, with ``keep_unsharded=False``, its releases.
   A cached loss's replay inside another model's backward starts its pass from the
   engine output's prologue hook (``_prologue_from_output_hook``).
@@ -84,15 +84,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._common import RetainError, queue_callback, require_attr
-from . import _pass_start
-from ._deepspeed_grads import PartitionSlots
-from ._deepspeed_nested import DeepSpeedSpan
-from ._deepspeed_graph import ForwardGraph, ZeroParams, held_node
-from ._lifecycle import BlockBase
-from ._loss_grads import GradSlots
-from ._nested import Span
-from ._policy import RetainOptions
+from .._common import RetainError, queue_callback, require_attr
+from .. import _pass_start
+from ._grads import PartitionSlots
+from ._nested import DeepSpeedSpan
+from ._graph import ForwardGraph, ZeroParams, held_node
+from .._lifecycle import BlockBase
+from .._loss_grads import GradSlots
+from .._nested import Span
+from .._policy import RetainOptions
 
 _RELEASE = "_PartitionedParameterCoordinator__release_param"
 _COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")
@@ -240,7 +240,7 @@ class DeepSpeedBlock(BlockBase):
         self._hooks.extend(self.probe_targets.hook_sources(self._root))
         self._watch()
 
-    # See [Note: per-loss gradients] in _loss_grads.py and _deepspeed_grads.py.
+    # See [Note: per-loss gradients] in _loss_grads.py and _grads.py.
     def _check_grads(self) -> None:
         if self.model.fp16_enabled():
             raise ValueError(

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from ._common import ACTIVE_ATTR, require_attr
-from ._fsdp1_compat import FLAVOUR as _FLAVOUR
-from ._fsdp1_compat import HOOK_STATE
+from .._common import ACTIVE_ATTR, require_attr
+from ._compat import FLAVOUR as _FLAVOUR
+from ._compat import HOOK_STATE
 _STORAGES = ("_full_param_padded", "_mp_shard", "_full_prec_full_param_padded")
 
 

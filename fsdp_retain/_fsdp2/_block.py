@@ -1,11 +1,11 @@
 """FSDP2 (``fully_shard``) backend: the mechanics of a block on FSDP2.
 
-Private FSDP2 access lives here and beside it: ``_fsdp2_compat.py`` (what
-differs between torch versions, probed at install), ``_fsdp2_nodes.py`` (which
+Private FSDP2 access lives here and beside it: ``_compat.py`` (what
+differs between torch versions, probed at install), ``_nodes.py`` (which
 states a pass uses; what stands for a parameter named in ``inputs``),
-``_fsdp2_reshard.py`` (the per-group flags, ``reshard_to``, which parameters the
-modules show between passes), ``_fsdp2_grads.py`` (gradients held back by
-``sync_grads="last"``; ``block.grads``' slots); ``_fsdp2_inspect.py`` holds readers for tests and the
+``_reshard.py`` (the per-group flags, ``reshard_to``, which parameters the
+modules show between passes), ``_grads.py`` (gradients held back by
+``sync_grads="last"``; ``block.grads``' slots); ``_inspect.py`` holds readers for tests and the
 report.
 
 See [Note: why a retained graph needs unsharded storage] in ``_common.py``.
@@ -26,7 +26,7 @@ What the block does to FSDP2, per FSDP parameter group (one per unit):
   ``False`` ones (their re-gathers prefetched from the replayed order).
 - ``reshard_to`` (or a model built with ``reshard_after_forward=<int>``): the
   groups not kept are resharded to groups of ranks between passes, see
-  [Note: resharding to groups of ranks between passes] in ``_fsdp2_reshard.py``,
+  [Note: resharding to groups of ranks between passes] in ``_reshard.py``,
   which also sets the flags above.
 - ``sync_grads="last"``: ``reduce_grads=False`` until the last pass (or the
   block exit), so unsharded gradients accumulate and are reduce-scattered once.
@@ -55,9 +55,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import _pass_start
-from ._common import is_compiled_in_place, queue_callback, require_attr
-from ._fsdp2_compat import (
+from .. import _pass_start
+from .._common import is_compiled_in_place, queue_callback, require_attr
+from ._compat import (
     backward_order,
     FLAVOUR,
     GROUP_FLAGS,
@@ -69,14 +69,14 @@ from ._fsdp2_compat import (
     run_root_final_callback,
     training_state_enum,
 )
-from ._fsdp2_grads import HeldGrads, fsdp2_grad_slots
-from ._fsdp2_nested import FSDP2Span
-from ._fsdp2_nodes import ForwardNodes, ParamLeaves
-from ._fsdp2_reshard import BetweenPasses, ShownParams
-from ._lifecycle import BlockBase
-from ._loss_grads import GradSlots
-from ._nested import Span
-from ._policy import RetainOptions
+from ._grads import HeldGrads, fsdp2_grad_slots
+from ._nested import FSDP2Span
+from ._nodes import ForwardNodes, ParamLeaves
+from ._reshard import BetweenPasses, ShownParams
+from .._lifecycle import BlockBase
+from .._loss_grads import GradSlots
+from .._nested import Span
+from .._policy import RetainOptions
 
 
 _NOT_ROOT = (

@@ -1,7 +1,7 @@
 """What a ZeRO-3 block does for nested backward passes: see [Note: nested backward
 passes] in ``_nested.py``.
 
-Part of the DeepSpeed backend with ``_deepspeed.py`` (private DeepSpeed access).
+Part of the DeepSpeed backend with ``_block.py`` (private DeepSpeed access).
 
 [Note: ZeRO-3 reductions in a span]
 ZeRO-3 reduces from each parameter's ``AccumulateGrad`` hook: it moves ``.grad``
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._nested import Span
+from .._nested import Span
 
 _MISSING = object()
 _REDUCE = "reduce_ready_partitions_and_remove_grads"

@@ -1,6 +1,6 @@
 """The gradients an FSDP2 block holds back (``sync_grads="last"``).
 
-Part of the FSDP2 backend with ``_fsdp2.py``. With gradients held back as
+Part of the FSDP2 backend with ``_block.py``. With gradients held back as
 unsharded tensors, the sharded ``.grad`` the optimizer clears is not where
 they live. ``HeldGrads`` marks each sharded ``.grad`` after a pass that held
 gradients back, so that a ``zero_grad()`` between passes reaches them too: a
@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from ._fsdp2_compat import (
+from ._compat import (
     clear_unsharded_grad,
     grad_version,
     has_pending_grad,
     replica_weights,
     shard_group,
 )
-from ._grad_layout import Layout, Segment, clean_name
-from ._loss_grads import GradSlots
+from .._grad_layout import Layout, Segment, clean_name
+from .._loss_grads import GradSlots
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """What an FSDP2 block does for nested backward passes: see [Note: nested backward
 passes] in ``_nested.py``.
 
-Part of the FSDP2 backend with ``_fsdp2.py`` (private FSDP2 access). FSDP2's
+Part of the FSDP2 backend with ``_block.py`` (private FSDP2 access). FSDP2's
 ``post_backward`` is "idempotent and safe to call even when ... not used": the span
 runs it once more at its close, for each group whose backward ran, with the flags of
 the pass, so it reduces (or holds back) and reshards what the tiles accumulated.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._fsdp2_compat import clear_unsharded_grad, has_pending_grad, training_state_enum
-from ._nested import Span
+from ._compat import clear_unsharded_grad, has_pending_grad, training_state_enum
+from .._nested import Span
 
 _HELD = {"reduce_grads": False, "all_reduce_grads": False, "reshard_after_backward": False}
 

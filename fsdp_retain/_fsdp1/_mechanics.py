@@ -1,6 +1,6 @@
 """What FSDP1 does per unit that the block runs itself, or undoes after a pass.
 
-Part of the FSDP1 backend with ``_fsdp1.py`` (private FSDP1 access). FSDP1's
+Part of the FSDP1 backend with ``_block.py`` (private FSDP1 access). FSDP1's
 root final callback assumes each forward has one backward: it drops the
 post-backward hooks, the forward order that drives prefetching and, for freed
 units, the flag that makes the next pass re-gather. ``rearm`` puts them back
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._fsdp1_compat import HOOK_STATE, internals
-from ._fsdp1_units import ForwardRecorder, Unit
-from ._policy import Policy
+from ._compat import HOOK_STATE, internals
+from ._units import ForwardRecorder, Unit
+from .._policy import Policy
 
 
 class SyncFlags:

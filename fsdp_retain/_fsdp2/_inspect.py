@@ -9,8 +9,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from ._common import ACTIVE_ATTR
-from ._fsdp2_compat import GROUP_FLAGS, PASS_START_HOOK, is_fsdp2_module, param_groups
+from .._common import ACTIVE_ATTR
+from ._compat import GROUP_FLAGS, PASS_START_HOOK, is_fsdp2_module, param_groups
 
 
 def fsdp2_param_groups(model: nn.Module) -> list[Any]:

@@ -1,10 +1,10 @@
 """One record per FSDP1 unit, and what the block learns about it from each forward.
 
-Part of the FSDP1 backend with ``_fsdp1.py``. A ``Unit`` is what the block
+Part of the FSDP1 backend with ``_block.py``. A ``Unit`` is what the block
 knows about one ``FlatParamHandle``: its FSDP state, whether the budget keeps
 it, the autograd nodes of this block's forwards (which tell whether a pass
 uses the unit, and how), what FSDP1 drops after a pass and the block puts back,
-and the gradients the block holds for it (``_fsdp1_grads.py``).
+and the gradients the block holds for it (``_grads.py``).
 ``ForwardRecorder`` fills the per-forward part from forward hooks.
 
 Several forwards in one block with parameter mixed precision: each forward
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._common import Liveness, compiling, eager_modules, grad_tensors, loud
-from ._fsdp1_compat import (
+from .._common import Liveness, compiling, eager_modules, grad_tensors, loud
+from ._compat import (
     HOOK_STATE,
     acc_grad_node,
     frees_after_forward,
@@ -35,8 +35,8 @@ from ._fsdp1_compat import (
     is_fsdp1_unit,
     unsharded_bytes,
 )
-from ._fsdp1_guards import backward_after_exit
-from ._policy import ShardGroup
+from ._guards import backward_after_exit
+from .._policy import ShardGroup
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,7 +1,7 @@
 """What an FSDP1 block does for nested backward passes: see [Note: nested backward
 passes] in ``_nested.py``.
 
-Part of the FSDP1 backend with ``_fsdp1.py`` (private FSDP1 access). FSDP1 runs a
+Part of the FSDP1 backend with ``_block.py`` (private FSDP1 access). FSDP1 runs a
 unit's post-backward hook, which reduce-scatters and frees, in each nested pass
 that accumulates into the unit; its pre-forward gathers the unit again for the next
 tile. While a span is open its units run as under ``no_sync()`` (``_sync_gradients``
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._fsdp1_compat import internals
-from ._fsdp1_units import Unit
-from ._nested import Span
+from ._compat import internals
+from ._units import Unit
+from .._nested import Span
 
 _MISSING = object()
 

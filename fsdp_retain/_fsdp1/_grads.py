@@ -1,6 +1,6 @@
 """FSDP1 gradient bookkeeping of the block (private FSDP1 access).
 
-Part of the FSDP1 backend with ``_fsdp1.py``: what the block does to the
+Part of the FSDP1 backend with ``_block.py``: what the block does to the
 gradients FSDP1 holds. ``GradLedger`` keeps its per-unit state on each
 ``Unit`` (``grads_before``, ``accumulating``, ``sentinel``).
 
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from ._common import warn_once
-from ._fsdp1_compat import internals
-from ._fsdp1_units import Unit
+from .._common import warn_once
+from ._compat import internals
+from ._units import Unit
 
 
 @dataclasses.dataclass

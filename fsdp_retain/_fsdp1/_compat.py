@@ -1,10 +1,10 @@
 """FSDP1 (``FullyShardedDataParallel``) internals the block uses, checked at install.
 
-Part of the FSDP1 backend with ``_fsdp1.py``: the private functions of
+Part of the FSDP1 backend with ``_block.py``: the private functions of
 ``torch.distributed.fsdp._runtime_utils`` the block calls (``internals()``,
 each checked by name: a missing one raises, naming the torch version) and the
 small readers of a ``FlatParamHandle`` that the backend and the test readers
-(``_fsdp1_inspect.py``) share.
+(``_inspect.py``) share.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._common import missing_internal, require_attr, require_attrs
+from .._common import missing_internal, require_attr, require_attrs
 
 FLAVOUR = "FSDP1"
 # Where FSDP1 keeps a flat parameter's (AccumulateGrad, hook handle).

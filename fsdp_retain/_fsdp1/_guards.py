@@ -1,6 +1,6 @@
 """Invariant checks of the FSDP1 backend (private FSDP1 access).
 
-Part of the FSDP1 backend with ``_fsdp1.py``. The block trusts that it saw
+Part of the FSDP1 backend with ``_block.py``. The block trusts that it saw
 every forward whose graph it is asked to backpropagate, and that FSDP1's
 post-backward hook runs for every unit a pass accumulates into. These checks
 turn a state that would otherwise give a silently wrong gradient into a
@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._common import Liveness, RetainError, loud
+from .._common import Liveness, RetainError, loud
 
 if TYPE_CHECKING:
-    from ._fsdp1_units import Unit
+    from ._units import Unit
 
 FORWARD_OUTSIDE = (
     "no_reshard_between_backwards: this backward runs over a graph whose forward ran "
