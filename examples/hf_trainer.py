@@ -1,35 +1,37 @@
-"""Two losses, one forward, in a `transformers.Trainer` under FSDP2 or FSDP1.
+"""Two losses, one forward, in a `transformers.Trainer` under FSDP2, FSDP1 or DDP.
 
 Run (2 processes; CPU with gloo, or one GPU per process):
 
     torchrun --nproc_per_node 2 examples/hf_trainer.py                  # FSDP2
     torchrun --nproc_per_node 2 examples/hf_trainer.py --fsdp 1         # FSDP1
     torchrun --nproc_per_node 2 examples/hf_trainer.py --fsdp 1 --no-library   # fails
-    torchrun --nproc_per_node 2 examples/hf_trainer.py --cpu-fallback   # CPU: DDP, refused
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --ddp            # DDP
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --ddp --no-library      # wrong
 
 A `Trainer` subclass whose `training_step` runs one forward of a tiny Qwen2 (built in
 code, no download) and backpropagates two losses, the language-model loss and a z-loss
 on the logits, one after the other (`self.accelerator.backward(loss, retain_graph=True)`,
 then the second). FSDP comes from the Trainer's own arguments
 (`TrainingArguments(fsdp=..., fsdp_config={"version": 2, ...})`, accelerate's FSDP
-plugin); what fsdp_retain adds is marked `# New code #`. Guide:
-docs/integrations/hf_trainer.md.
+plugin); with `--ddp` there are none and the Trainer wraps the model in DDP itself
+(on a CPU-only machine with `use_cpu=True`). What fsdp_retain adds is marked
+`# New code #`. Guide: docs/integrations/hf_trainer.md.
 
 Gradient accumulation: the Trainer tells accelerate to accumulate 1 step and divides the
 loss by `self.current_gradient_accumulation_steps` in its own `training_step`; an
 override must divide each loss itself.
 
-At the end the script replays the same global batches on an unsharded copy of the model
+At the end the script replays the same global batches on an unwrapped copy of the model
 in each process (a plain PyTorch loop: one summed loss divided by the accumulation
 steps, one SGD-momentum step per window), prints `PARITY max_diff=...` and exits 1
 unless every parameter agrees.
 
 On a CPU-only machine accelerate never selects FSDP: the Trainer falls back to
-independent processes (or to DDP with `use_cpu=True`, where a second backward is never
-all-reduced). This script then lets accelerate's own FSDP setup run on gloo through
-`examples/accelerate_cpu_fsdp.py` (the `cpu_state_as_accelerator()` call below); leave
-that out on GPUs. `--cpu-fallback` shows the fallback instead: DDP, which the block
-refuses with an error that names the Trainer's FSDP arguments.
+independent processes (or to DDP with `use_cpu=True`). For FSDP this script then lets
+accelerate's own FSDP setup run on gloo through `examples/accelerate_cpu_fsdp.py` (the
+`cpu_state_as_accelerator()` call below); leave that out on GPUs. Under DDP, DDP itself
+all-reduces only the first backward over a forward (pytorch/pytorch#47260): with
+`--no-library` the parameters end away from the replay; the block all-reduces every pass.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class TwoLossTrainer(Trainer):
         # The Trainer's own training_step divides by this; an override must too.
         steps = self.current_gradient_accumulation_steps
         # New code #
-        # `model` is what accelerator.prepare returned (the FSDP root), not self.model
+        # `model` is what accelerator.prepare returned (the FSDP root, or the DDP), not self.model
         # before wrapping nor accelerator.unwrap_model(model).
         block = no_reshard_between_backwards(model) if self.library else contextlib.nullcontext()
         with block:
@@ -126,7 +128,7 @@ def fsdp_arguments(version: int) -> dict:
 
 
 def replay_unsharded(model, seen, lr: float, accumulation: int) -> list[float]:
-    """The same training in one process without FSDP, the reference for the check: the
+    """The same training in one process, unwrapped, the reference for the check: the
     global micro-batches, one SGD-momentum step per window. Returns their losses."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses = []
@@ -149,6 +151,10 @@ def describe(trainer: Trainer, model) -> str:
     kind = acc.distributed_type.value
     if acc.distributed_type == DistributedType.FSDP:
         kind += f" (fsdp_version {acc.state.fsdp_plugin.fsdp_version})"
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return (f"Trainer: DDP ({kind}), {acc.num_processes} processes on {acc.device.type}, "
+                f"gradient_accumulation_steps {trainer.args.gradient_accumulation_steps}; "
+                f"model {type(model).__name__} around {type(model.module).__name__}")
     return (f"Trainer: {kind}, {acc.num_processes} processes on {acc.device.type}, "
             f"gradient_accumulation_steps {trainer.args.gradient_accumulation_steps}; "
             f"model {type(model).__name__} with {units} FSDP modules")
@@ -163,13 +169,14 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--no-library", action="store_true",
                         help="the same step without the block")
-    parser.add_argument("--cpu-fallback", action="store_true",
-                        help="on CPU, no shim: use_cpu=True, the Trainer falls back to DDP")
+    parser.add_argument("--ddp", action="store_true",
+                        help="no fsdp arguments: the Trainer wraps the model in DDP "
+                             "(use_cpu=True on a CPU-only machine)")
     args = parser.parse_args()
 
     on_cpu = {}
     if not torch.cuda.is_available():
-        if args.cpu_fallback:
+        if args.ddp:
             on_cpu = {"use_cpu": True}
         else:  # CPU only: accelerate's FSDP setup on gloo, kept by the Trainer
             from accelerate_cpu_fsdp import cpu_state_as_accelerator
@@ -188,7 +195,7 @@ def main() -> None:
             lr_scheduler_type="constant", optim="sgd", optim_args="momentum=0.9",
             max_grad_norm=0.0, report_to="none", save_strategy="no", logging_strategy="no",
             disable_tqdm=True, dataloader_pin_memory=False, seed=42,
-            **fsdp_arguments(args.fsdp), **on_cpu,
+            **({} if args.ddp else fsdp_arguments(args.fsdp)), **on_cpu,
         )
         trainer = TwoLossTrainer(model=model, args=training, train_dataset=Sequences(samples),
                                  library=not args.no_library)
@@ -211,7 +218,7 @@ def main() -> None:
     loss_diff = max(abs(a - b) for a, b in zip(losses, reference_losses))
     trainer.accelerator.print(
         f"PARITY max_diff={max_diff:.3g} (every parameter after {args.steps} optimizer steps "
-        f"against an unsharded one-process replay, largest update {update:.3g}; losses: "
+        f"against an unwrapped one-process replay, largest update {update:.3g}; losses: "
         f"{loss_diff:.3g})")
     ok = max_diff <= 1e-5 and loss_diff <= 1e-5
     trainer.accelerator.print("agreement: OK" if ok else "agreement: FAILED")

@@ -1,4 +1,4 @@
-"""Several backward passes over one forward under PyTorch FSDP1, FSDP2 and DeepSpeed ZeRO-3."""
+"""Several backward passes over one forward under PyTorch FSDP1, FSDP2, DeepSpeed and DDP."""
 
 from ._api import RetainBlock, SyncGrads, no_reshard_between_backwards
 from ._loss_grads import LossGrads, apply_grads, combine, gramian

@@ -13,7 +13,7 @@ from ._common import ACTIVE_ATTR, first_wrapped_submodule
 from ._lifecycle import BlockBase
 from ._loss_grads import LossGrads
 from ._policy import RetainOptions
-from ._stack import ddp_fix, not_wrapped_fix, wrapper_fix
+from ._stack import not_wrapped_fix, wrapper_fix
 
 SyncGrads = Literal["every", "last"]
 
@@ -21,7 +21,7 @@ SyncGrads = Literal["every", "last"]
 class RetainBlock(Protocol):
     """What ``with no_reshard_between_backwards(model) as block`` binds.
 
-    The same for every backend (FSDP1, FSDP2, DeepSpeed ZeRO-3). Plain
+    The same for every backend (FSDP1, FSDP2, DeepSpeed, DDP). Plain
     ``loss.backward(...)`` / ``engine.backward(...)`` calls inside the block are
     backward passes too; ``block.backward`` is needed only for probe passes.
 
@@ -80,12 +80,15 @@ class RetainBlock(Protocol):
         ...
 
 
-def fsdp_flavour(module: nn.Module) -> str | None:
-    """``"fsdp1"``, ``"fsdp2"`` or ``None`` for a module that FSDP does not manage."""
+def wrapper_flavour(module: nn.Module) -> str | None:
+    """``"fsdp1"``, ``"fsdp2"``, ``"ddp"`` or ``None`` for a module no wrapper manages."""
     from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(module, FullyShardedDataParallel):
         return "fsdp1"
+    if isinstance(module, DistributedDataParallel):
+        return "ddp"
     from ._fsdp2 import is_fsdp2_module
 
     if is_fsdp2_module(module):
@@ -98,36 +101,33 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
 
     if is_deepspeed_engine(model):
         _check_not_active(model)
-        from ._deepspeed import DeepSpeedBlock
+        from ._deepspeed import DeepSpeedBlock, DeepSpeedZero12Block, zero_stage
 
+        if zero_stage(model) in (0, 1, 2):
+            return DeepSpeedZero12Block(model, options)
         options.check_reshard_to("DeepSpeed ZeRO-3")
         return DeepSpeedBlock(model, options)
     if not isinstance(model, nn.Module):
         raise TypeError(
-            f"no_reshard_between_backwards expects the FSDP root nn.Module, got "
+            f"no_reshard_between_backwards expects the DDP or FSDP root nn.Module, got "
             f"{type(model).__name__}"
         )
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        raise ValueError(
-            "no_reshard_between_backwards got a DistributedDataParallel model. DDP "
-            "all-reduces gradients only in the first backward after a forward; later "
-            "backward passes over a retained graph are never all-reduced, so gradients "
-            f"would be silently wrong (pytorch/pytorch#47260). {ddp_fix(model)}"
-        )
-    flavour = fsdp_flavour(model)
+    flavour = wrapper_flavour(model)
     if flavour is None:
-        inner = first_wrapped_submodule(model, lambda m: fsdp_flavour(m) is not None)
+        inner = first_wrapped_submodule(model, lambda m: wrapper_flavour(m) is not None)
         if inner is not None:
             model = _root_inside_wrapper(model, inner)
-            flavour = fsdp_flavour(model)
+            flavour = wrapper_flavour(model)
     if flavour is None:
         raise ValueError(
             f"no_reshard_between_backwards got a {type(model).__name__} that is not "
-            f"wrapped by FSDP. {not_wrapped_fix(model)}"
+            f"wrapped by DDP or FSDP. {not_wrapped_fix(model)}"
         )
     _check_not_active(model)
+    if flavour == "ddp":
+        from ._ddp import DDPBlock
+
+        return DDPBlock(model, options)
     if flavour == "fsdp2":
         from ._fsdp2 import FSDP2Block
 
@@ -145,7 +145,7 @@ def _root_inside_wrapper(model: nn.Module, inner: str) -> nn.Module:
     LightningModule whose ``configure_model`` sharded ``self.net``, the module Fabric's
     ``setup`` returns); a refusal naming the fix where the wrapper holds more."""
     def is_unit(m: nn.Module) -> bool:
-        return fsdp_flavour(m) is not None
+        return wrapper_flavour(m) is not None
 
     roots = [m for name, m in model.named_modules()
              if m is not model and is_unit(m)
@@ -202,7 +202,8 @@ def no_reshard_between_backwards(
         model: the root FSDP module: ``FullyShardedDataParallel(...)`` (FSDP1) or
             the module ``fully_shard`` was applied to last (FSDP2); or the
             ``DeepSpeedEngine`` that ``deepspeed.initialize`` returns (ZeRO
-            stage 3, ``docs/backends.md``).
+            stages 0-3, ``docs/backends.md``); or a ``DistributedDataParallel``
+            model (``docs/backends.md#ddp``).
         keep_unsharded: ``True`` keeps each unit's unsharded parameters from the
             forward through the last backward, so no backward all-gathers
             (memory: the unsharded parameters of all units). ``False`` re-gathers
@@ -215,7 +216,8 @@ def no_reshard_between_backwards(
             backward). ``0`` behaves as ``False``; a budget of all units' bytes as
             ``True``. Only parameters count: with ``sync_grads="last"`` every
             unit also holds its unsharded gradients until the last pass,
-            whatever the budget. FSDP1 and FSDP2 only.
+            whatever the budget. FSDP1 and FSDP2 only; no effect on DDP
+            (nothing is sharded).
         sync_grads: ``"every"`` reduce-scatters after every backward, so ``.grad``
             of the sharded parameters is readable and ``zero_grad()`` works
             between passes. ``"last"`` accumulates unsharded gradients and

@@ -147,3 +147,39 @@ _UNMAPPABLE_INPUT = (
     "gradient would silently be missing or zero. Name the parameter itself (as "
     "model.parameters() gives it) in inputs=."
 )
+
+
+class PassInputs:
+    """The part of ``BlockBase`` that maps the ``inputs`` of a pass (``_pass_start``)."""
+
+    # Set by BlockBase.__init__ (the backend's ParamLookup) and at install.
+    _lookup: ParamLookup
+    _selection: list[Any]
+    _installed: bool
+    _exited: bool
+
+    def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
+        """What stands for ``tensor``, a parameter this block manages, in the
+        forward's graph (leaves, or ``GradientEdge``s of their ``AccumulateGrad``
+        nodes); ``None`` if it manages no such parameter."""
+        return self._lookup.graph_inputs(tensor)
+
+    def _param_storages(self) -> set[int]:
+        """Data pointers of the managed parameters' storages (unmappable views)."""
+        return self._lookup.storages()
+
+    def _select_grads(self, named: list[torch.Tensor]) -> list[Any]:
+        """Before a pass whose ``inputs`` name ``named`` (managed parameters):
+        graph hooks that keep the pass from writing to the parameters that
+        share a leaf with them but are not named; returns their handles."""
+        return self._lookup.select(named)
+
+    def map_inputs(self, inputs: tuple, accumulate: bool, roots: list, nested: bool = False) -> tuple:
+        """The ``inputs`` of a pass (over the autograd nodes ``roots``), with managed
+        parameters replaced by what the graph uses (``_pass_start``)."""
+        if not self._installed or self._exited:
+            return inputs
+        mapped, named = map_inputs(self, inputs, accumulate, roots, nested)
+        if named:
+            self._selection.extend(self._select_grads(named))
+        return mapped

@@ -2,8 +2,10 @@
 
 ``BlockBase`` is what ``with no_reshard_between_backwards(model) as block``
 binds. It drives a block from entry to exit and through each pass; a backend
-(``FSDP1Block``, ``FSDP2Block``, ``DeepSpeedBlock``) subclasses it and
-implements only the mechanics of its flavour, the abstract methods below.
+(``FSDP1Block``, ``FSDP2Block``, ``DeepSpeedBlock``, ``DDPBlock``) subclasses it
+and implements only the mechanics of its flavour, the abstract methods below. Its
+public half (the pass counters, probe passes, ``grads``) is ``BlockAPI`` in
+``_block_api.py``; the mapping of a pass's ``inputs`` is ``PassInputs`` in ``_inputs.py``.
 
 [Note: the block lifecycle]
 - Entry (``enter``): the optimizer-step guard and the saved-tensor check go
@@ -37,17 +39,17 @@ import torch
 import torch.nn as nn
 
 from . import _pass_start
-from ._common import ACTIVE_ATTR, RetainError, create_graph_needs_keep, queue_callback
-from ._inputs import ParamLookup, map_inputs
-from ._loss_grads import GradSlots, LossGrads
+from ._block_api import BlockAPI
+from ._common import ACTIVE_ATTR, create_graph_needs_keep, queue_callback
+from ._inputs import ParamLookup, PassInputs
 from ._nested import NestedPasses, Span
 from ._policy import PassTracker, Policy, RetainOptions
-from ._probe import ProbeTargets, refuse_reentrant_checkpoint
+from ._probe import ProbeTargets
 from ._saved_tensors import SavedTensorCheck
 from ._step_guard import refuse_step
 
 
-class BlockBase(abc.ABC):
+class BlockBase(BlockAPI, PassInputs, abc.ABC):
     """One ``no_reshard_between_backwards`` block: the driver; see [Note: the block lifecycle]."""
 
     def __init__(self, model: Any, options: RetainOptions) -> None:
@@ -125,185 +127,9 @@ class BlockBase(abc.ABC):
         until the outer pass moves on (see [Note: nested backward passes])."""
         return Span()
 
-    def _graph_inputs(self, tensor: torch.Tensor) -> list[Any] | None:
-        """What stands for ``tensor``, a parameter this block manages, in the
-        forward's graph (leaves, or ``GradientEdge``s of their ``AccumulateGrad``
-        nodes); ``None`` if it manages no such parameter."""
-        return self._lookup.graph_inputs(tensor)
-
-    def _param_storages(self) -> set[int]:
-        """Data pointers of the managed parameters' storages (unmappable views)."""
-        return self._lookup.storages()
-
-    def _select_grads(self, named: list[torch.Tensor]) -> list[Any]:
-        """Before a pass whose ``inputs`` name ``named`` (managed parameters):
-        graph hooks that keep the pass from writing to the parameters that
-        share a leaf with them but are not named; returns their handles."""
-        return self._lookup.select(named)
-
     def _kept_count(self) -> int:
         """Units kept unsharded between passes (for tests; also after the exit)."""
         return self._kept_total
-
-    def _before_probe(self) -> None:
-        """Prepare FSDP before a probe pass starts."""
-
-    def _end_probe(self) -> None:
-        """Undo ``_before_probe`` and the pass's flags (idempotent)."""
-
-    # Public #
-    @property
-    def backward_passes(self) -> int:
-        """Backward passes seen so far in this block, probe passes included."""
-        return self.tracker.started
-
-    @property
-    def pass_index(self) -> int:
-        """1-based index of the running backward pass (0 before the first).
-
-        For hooks that act in one pass only: autograd captures a module's
-        backward hooks at forward, so over a retained graph they fire in every
-        pass. Inside a pass this is its index from the moment the pass reaches
-        the model; between passes, the index of the last one. ``probing`` is
-        true during a probe pass (``backward(..., param_grads=False)``).
-
-        Example::
-
-            def collect(module, grad_input, grad_output):
-                if block.probing:  # influence probe only, not the policy loss
-                    store(grad_output[0])
-        """
-        return self.tracker.started
-
-    def backward(
-        self,
-        loss: torch.Tensor,
-        *,
-        param_grads: bool = True,
-        retain_graph: bool | None = None,
-        inputs: Any = None,
-    ) -> None:
-        """One backward pass of ``loss`` inside the block.
-
-        ``param_grads=True`` is ``loss.backward(retain_graph=retain_graph,
-        inputs=inputs)``: with ``inputs`` (parameters of the model, as
-        ``model.parameters()`` gives them) only their gradients are computed,
-        reduced and sharded; see [Note: inputs that name parameters] in ``_inputs.py``.
-        ``param_grads=False`` is a probe pass: hooks on activations and full
-        backward hooks on modules inside FSDP units fire with the gradients a
-        plain backward gives them, but no parameter gradient is computed, no
-        ``.grad`` changes (nor the gradients FSDP holds unreduced: ``no_sync()``
-        micro-batches, passes held back by ``sync_grads="last"``), and nothing
-        is reduced. See [Note: probe passes].
-
-        Example::
-
-            with no_reshard_between_backwards(model) as block:
-                out = model(batch)
-                block.backward(logp_loss(out), param_grads=False, retain_graph=True)
-                policy_loss(out).backward()
-        """
-        if not isinstance(param_grads, bool):
-            raise TypeError(
-                f"param_grads must be a bool, got {param_grads!r}: True runs a normal "
-                "backward, False a probe pass that only feeds gradient hooks"
-            )
-        if self._exited:
-            raise RetainError(
-                "block.backward() was called after its no_reshard_between_backwards "
-                "block exited. Call it inside the `with` statement."
-            )
-        if param_grads:
-            loss.backward(retain_graph=retain_graph, inputs=inputs)
-            return
-        if inputs is not None:
-            raise ValueError(
-                "block.backward(..., param_grads=False, inputs=...): a probe pass computes "
-                "no parameter gradient, so it takes no inputs. Drop inputs=, or use "
-                "param_grads=True to accumulate the gradients of those parameters."
-            )
-        refuse_reentrant_checkpoint(loss)
-        edges = list(self.probe_targets.edges.values())
-        if not edges:
-            raise ValueError(
-                "block.backward(..., param_grads=False) has nothing to differentiate "
-                "against: no activation in this block's forward requires grad (the "
-                "forward ran under torch.no_grad(), or every parameter is frozen). Run "
-                "the forward inside the block with grad enabled, or use "
-                "param_grads=True."
-            )
-        self._before_probe()
-        self.probing = True
-        try:
-            # See [Note: probe passes]. Gradients of the unit inputs are
-            # returned, not stored; materialize nothing into .grad.
-            torch.autograd.grad(loss, edges, retain_graph=retain_graph, allow_unused=True)
-        finally:
-            self.probing = False
-        # Normally done at the pass end already; not if the loss reached no unit.
-        self._end_probe()
-
-    def map_inputs(self, inputs: tuple, accumulate: bool, roots: list, nested: bool = False) -> tuple:
-        """The ``inputs`` of a pass (over the autograd nodes ``roots``), with managed
-        parameters replaced by what the graph uses (``_pass_start``)."""
-        if not self._installed or self._exited:
-            return inputs
-        mapped, named = map_inputs(self, inputs, accumulate, roots, nested)
-        if named:
-            self._selection.extend(self._select_grads(named))
-        return mapped
-
-    def grads(self, loss: torch.Tensor, *, retain_graph: bool | None = None,
-              params: Any = None) -> LossGrads:
-        """One backward pass of ``loss`` whose reduced, sharded gradients come back
-        instead of adding to ``.grad`` (left as it was): the sharded counterpart of
-        ``torch.autograd.grad(loss, model.parameters())``, one reduce-scatter per
-        unit. ``params`` (a submodule, parameter names, or the wrapped model's
-        parameters) narrows what the result covers, as ``LossGrads.select`` does; the
-        pass computes every gradient either way. See [Note: per-loss gradients] in
-        ``_loss_grads.py``.
-
-        Example::
-
-            with no_reshard_between_backwards(model) as block:
-                out = model(batch)
-                grads = [block.grads(f(out), retain_graph=True) for f in losses]
-                weights = my_weighting(fsdp_retain.gramian(grads))  # k x k, one all-reduce
-                fsdp_retain.apply_grads(fsdp_retain.combine(grads, weights))
-            optimizer.step()
-        """
-        if self._exited:
-            raise RetainError(
-                "block.grads() was called after its no_reshard_between_backwards block "
-                "exited. Call it inside the `with` statement."
-            )
-        if self.policy.holds_back:
-            raise ValueError(
-                "block.grads() reduces each loss's gradients in its own pass, so it needs "
-                "sync_grads='every' (the default); this block has sync_grads='last'."
-            )
-        self._check_grads()
-        if self._slots is None:
-            self._slots = self._make_grad_slots()
-        slots = self._slots
-        saved = slots.take()
-        try:
-            loss.backward(retain_graph=retain_graph)
-            values = slots.read()
-        finally:
-            slots.put(saved)
-        grads = LossGrads(slots, values)
-        return grads if params is None else grads.select(params)
-
-    def _check_grads(self) -> None:
-        """Before every ``grads`` pass: raises where the pass would not reduce."""
-
-    def _make_grad_slots(self) -> GradSlots:
-        """Where the gradients the optimizer steps on are, for ``grads`` (once per block)."""
-        raise ValueError(
-            f"block.grads() is not supported on this backend ({type(self).__name__}); "
-            "FSDP1, FSDP2 and DeepSpeed ZeRO-3 support it."
-        )
 
     def _block_params(self) -> Callable[[], Iterable[torch.Tensor]] | None:
         """What ``refuse_step`` asks at a step for the parameter objects the backend

@@ -134,6 +134,12 @@ def reshard_to_refusal(
             f"partitioning: set \"zero_hpz_partition_size\": {reshard_to} in the DeepSpeed "
             f"config's zero_optimization and drop reshard_to, or {fsdp2}."
         )
+    if backend == "DDP":
+        return ValueError(
+            f"no_reshard_between_backwards(reshard_to={reshard_to}) has nothing to reshard "
+            "on DistributedDataParallel: every rank holds every parameter, so no pass "
+            "re-gathers. Drop reshard_to (keep_unsharded has no effect on DDP either)."
+        )
     where = "" if group is None else (
         f" whose unit {group.unit!r} uses {group.strategy} over {group.ranks} rank(s)"
     )

@@ -1,11 +1,12 @@
 """Which training stack handed the block its model, for refusals that name the fix there.
 
 accelerate, transformers' ``Trainer`` and Lightning each decide what the model is
-(a fallback to DDP or plain processes, the module ``accelerator.prepare`` returned,
-``self.trainer.strategy.model``), so the fix for a refused model depends on the stack.
-Each is recognised by what it leaves behind: accelerate's shared state, a ``Trainer``
-method on the call stack, a Lightning class in the model's type. Nothing is imported:
-a stack that is in use has been imported already (``sys.modules``).
+(DDP, FSDP, or no wrapper at all for one process or accelerate's CPU default, the module
+``accelerator.prepare`` returned, ``self.trainer.strategy.model``), so the fix for a
+refused model depends on the stack. Each is recognised by what it leaves behind:
+accelerate's shared state, a ``Trainer`` method on the call stack, a Lightning class in
+the model's type. Nothing is imported: a stack that is in use has been imported already
+(``sys.modules``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,16 @@ import torch.nn as nn
 
 _FSDP_ARGS = ('TrainingArguments(fsdp=True, fsdp_config={"version": 2, '
               '"transformer_layer_cls_to_wrap": [<decoder layer class>]})')
-_CPU_NOTE = ("It selects FSDP only on accelerator backends and otherwise falls back "
-             "to independent processes or DDP (also with use_cpu / ACCELERATE_USE_CPU=1); on "
-             "CPU, {shim} from examples/accelerate_cpu_fsdp.py in fsdp-retain's repository sets "
-             "up accelerate's own FSDP on gloo. ")
+_FSDP_ACCELERATE = ("accelerate launch --config_file <a config with distributed_type: FSDP>, "
+                    "or Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(...))")
+# How each gets DDP: 2 or more processes (accelerate wraps in DDP only then).
+_DDP_ACCELERATE = ("accelerate launch --multi_gpu --num_processes <N>, with "
+                   "ACCELERATE_USE_CPU=1 in the environment on CPU")
+_DDP_TRAINER = ("torchrun --nproc_per_node <N> (or accelerate launch --multi_gpu "
+                "--num_processes <N>), with TrainingArguments(use_cpu=True) on CPU")
+_CPU_NOTE = ("On CPU accelerate sets up DDP only with use_cpu / ACCELERATE_USE_CPU=1 and "
+             "FSDP never: {shim} from examples/accelerate_cpu_fsdp.py in fsdp-retain's "
+             "repository sets up accelerate's own FSDP on gloo. ")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +44,14 @@ class _Accelerate:
         return (f"{who} set up {self.distributed_type} with {self.num_processes} {processes} "
                 f"on {self.device}")
 
+    def wraps(self) -> bool:
+        """Whether ``accelerator.prepare`` wraps the model in something the block takes:
+        FSDP, a DeepSpeed engine, or DDP (``MULTI_CPU``, ``MULTI_GPU``, ... with 2 or
+        more processes)."""
+        if self.distributed_type in ("FSDP", "DEEPSPEED"):
+            return True
+        return self.distributed_type.startswith("MULTI_") and self.num_processes > 1
+
     def prepared(self) -> str:
         """Which object to pass."""
         if self.trainer:
@@ -46,15 +61,17 @@ class _Accelerate:
                 "nor the model before prepare")
 
     def configure(self) -> str:
-        """Why this is not FSDP and how to get FSDP."""
-        how = (_FSDP_ARGS if self.trainer else
-               "accelerate launch --config_file <a config with distributed_type: FSDP>, or "
-               "Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(...))")
+        """Why accelerate left the model unwrapped and how to get DDP or FSDP."""
+        who = "the Trainer" if self.trainer else "accelerate"
+        ddp = _DDP_TRAINER if self.trainer else _DDP_ACCELERATE
+        fsdp = _FSDP_ARGS if self.trainer else _FSDP_ACCELERATE
         shim = ("cpu_state_as_accelerator() (docs/integrations/hf_trainer.md)" if self.trainer
                 else "the launcher")
         note = _CPU_NOTE.format(shim=shim) if self.device.startswith("cpu") else ""
-        return (f"{_capital(self.setup())}, not FSDP. {note}Set up FSDP: {how}; then "
-                f"pass {self.prepared()}.")
+        return (f"{_capital(self.setup())}, which leaves the model unwrapped: the block needs "
+                f"the model {who} wraps in DDP or FSDP (or a DeepSpeed engine). For DDP start "
+                f"2 or more processes: {ddp}. For FSDP: {fsdp}. {note}Then pass "
+                f"{self.prepared()}.")
 
 
 def _capital(text: str) -> str:
@@ -99,31 +116,25 @@ _LIGHTNING_ROOT = ("self.trainer.strategy.model (Lightning's Trainer) or the mod
                    "fabric.setup returned (Fabric)")
 
 
-def ddp_fix(ddp: nn.Module) -> str:
-    """The fix for a ``DistributedDataParallel`` model."""
-    if _lightning(getattr(ddp, "module", None)):
-        return ("Lightning's DDPStrategy wrapped it: use FSDPStrategy (FSDP1) or "
-                "ModelParallelStrategy with fully_shard in configure_model (FSDP2), and "
-                f"pass {_LIGHTNING_ROOT}.")
-    stack = _accelerate()
-    if stack is not None:
-        return stack.configure()
-    return "Wrap the model with fully_shard(...) or FullyShardedDataParallel(...) instead."
+def _lightning_fix(model: nn.Module) -> str:
+    return (f"Pass the model the strategy wrapped: {_LIGHTNING_ROOT}, under DDPStrategy, "
+            "FSDPStrategy or ModelParallelStrategy; under a strategy that wraps nothing "
+            "(one process, SingleDeviceStrategy), switch to one of them.")
 
 
 def not_wrapped_fix(model: nn.Module) -> str:
-    """The fix for a module with no FSDP unit in it."""
+    """The fix for a module with no DDP, FSDP or DeepSpeed wrapper around it."""
     if _lightning(model):
-        return (f"Under Lightning's FSDPStrategy or ModelParallelStrategy pass {_LIGHTNING_ROOT}; "
-                "under another strategy, switch to one of them.")
+        return _lightning_fix(model)
     stack = _accelerate()
-    if stack is not None and stack.distributed_type in ("FSDP", "DEEPSPEED"):
-        return f"{_capital(stack.setup())}; pass {stack.prepared()}."
+    if stack is not None and stack.wraps():
+        ddp = " (DDP)" if stack.distributed_type.startswith("MULTI_") else ""
+        return f"{_capital(stack.setup())}{ddp}; pass {stack.prepared()}."
     if stack is not None:
         return stack.configure()
-    return ("Wrap it with fully_shard(...) or FullyShardedDataParallel(...) and pass the "
-            "root module (with DeepSpeed ZeRO-3, pass the engine deepspeed.initialize "
-            "returns).")
+    return ("Wrap it with DistributedDataParallel(...), fully_shard(...) or "
+            "FullyShardedDataParallel(...) and pass the wrapper (the root module with "
+            "FSDP; with DeepSpeed, pass the engine deepspeed.initialize returns).")
 
 
 def wrapper_fix(model: nn.Module) -> str:

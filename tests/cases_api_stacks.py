@@ -1,21 +1,25 @@
-"""Refusals that name the fix in the user's stack (CPU, gloo, world size 2).
+"""The stacks' wrappers and the refusals that name the fix there (CPU, gloo, world size 2).
 
-The block refuses a model that is not an FSDP root; the fix depends on who built it
-(``fsdp_retain/_stack.py``):
+The block takes an FSDP root, a DeepSpeed engine or a DDP model; for anything else the
+fix depends on who built it (``fsdp_retain/_stack.py``):
 
 - accelerate on a machine without an accelerator falls back to independent processes
-  (``Accelerator()``) or DDP (``cpu=True``): the error says what accelerate set up and
-  how to get FSDP (an FSDP config or plugin), not "wrap the model with fully_shard".
+  (``Accelerator()``, refused: the error says what accelerate set up and how to get DDP
+  or FSDP, not "wrap the model with fully_shard") or to DDP (``cpu=True``: the block
+  runs, gradients match the unwrapped model averaged over ranks, and differ without the
+  block; ``accelerator.unwrap_model(model)`` is refused naming what prepare returned).
 - accelerate with FSDP1 (set up on CPU through ``examples/accelerate_cpu_fsdp.py``) and
   ``accelerator.unwrap_model(model)`` or a module with no unit passed: "pass what
   accelerator.prepare returned", no Lightning advice.
-- transformers' ``Trainer`` falling back to DDP (``use_cpu=True``): the Trainer's FSDP
-  arguments; with FSDP1 and ``self.accelerator.unwrap_model(model)`` passed from
-  ``training_step``: "the model your training_step receives".
-- Lightning's DDP over a LightningModule, a LightningModule with no FSDP unit, and one
-  holding a sharded ``self.net`` beside parameters of its own: the Lightning strategy or
-  object to pass, no accelerate.
-- No stack: the generic advice, naming no stack.
+- transformers' ``Trainer`` falling back to DDP (``use_cpu=True`` with FSDP asked for):
+  the block runs in ``training_step``, gradients as above (and wrong without it); with
+  FSDP1 and ``self.accelerator.unwrap_model(model)`` passed from ``training_step``: "the
+  model your training_step receives".
+- Lightning: a DDP over a LightningModule (what DDPStrategy hands over) runs, gradients
+  as above; a LightningModule with no wrapper, Fabric's module around a DDP, and one
+  holding a sharded ``self.net`` beside parameters of its own are refused naming the
+  Lightning object to pass, no accelerate.
+- No stack: a DDP model runs; the rest gets the generic advice, naming no stack.
 
 Every case resets accelerate's process-wide state and the environment it changed.
 """
@@ -23,6 +27,7 @@ Every case resets accelerate's process-wide state and the environment it changed
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import os
 import tempfile
@@ -76,6 +81,41 @@ def _accelerate_state():
         os.environ.update(env)
 
 
+def _two_losses(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return out.pow(2).mean(), out.tanh().mean()
+
+
+def _ddp_error(model: nn.Module, reference: nn.Module,
+               block: bool = True, backward=torch.autograd.backward, outer=None) -> float:
+    """Largest |grad - reference grad| of a DDP model after two backward passes over one
+    forward on this rank's batch (seed 42 + rank + 1), inside the block or not. The
+    reference (the unwrapped model with the same weights): one backward of the summed
+    losses, its gradients averaged over ranks, as DDP's all-reduce does. ``outer``: a
+    wrapper around the DDP, passed to the block instead of it."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(42 + dist.get_rank() + 1))
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    given = model if outer is None else outer
+    with no_reshard_between_backwards(given) if block else contextlib.nullcontext():
+        first, second = _two_losses(model(x))
+        backward(first, retain_graph=True)
+        backward(second)
+    sum(_two_losses(reference(x))).backward()
+    error = 0.0
+    for param, ref in zip(model.module.parameters(), reference.parameters(), strict=True):
+        dist.all_reduce(ref.grad)
+        ref.grad /= dist.get_world_size()
+        error = max(error, (param.grad - ref.grad).abs().max().item())
+    return error
+
+
+def _seeded(make):
+    """``make()`` with seed 42 on every rank, and an unwrapped copy: the reference."""
+    torch.manual_seed(42)
+    module = make()
+    return module, copy.deepcopy(module)
+
+
 def _refusal(model: nn.Module) -> str:
     with pytest.raises(ValueError) as info:
         with no_reshard_between_backwards(model):
@@ -109,30 +149,43 @@ def accelerate_no_accelerator_names_the_fallback() -> None:
     with _accelerate_state():
         accelerator = Accelerator()
         message = _refusal(accelerator.prepare(Net()))
-    assert ("not wrapped by FSDP. The Accelerator set up NO with 1 process on cpu, "
-            "not FSDP.") in message
-    assert "It selects FSDP only on accelerator backends" in message
+    assert ("not wrapped by DDP or FSDP. The Accelerator set up NO with 1 process on cpu, which "
+            "leaves the model unwrapped: the block needs the model accelerate wraps in DDP "
+            "or FSDP (or a DeepSpeed engine).") in message, message
+    assert ("For DDP start 2 or more processes: accelerate launch --multi_gpu "
+            "--num_processes <N>, with ACCELERATE_USE_CPU=1 in the environment on CPU.") in message
+    assert "For FSDP: accelerate launch --config_file <a config with distributed_type: FSDP>" in message
+    assert "On CPU accelerate sets up DDP only with use_cpu / ACCELERATE_USE_CPU=1" in message
     assert "examples/accelerate_cpu_fsdp.py" in message
-    assert "accelerate launch --config_file <a config with distributed_type: FSDP>" in message
-    assert "then pass what accelerator.prepare returned" in message
+    assert "Then pass what accelerator.prepare returned" in message
     assert "Trainer" not in message and "Lightning" not in message, message
 
 
 @registry.case()
-def accelerate_use_cpu_ddp_names_the_fallback() -> None:
-    """Accelerator(cpu=True): MULTI_CPU, accelerate wraps the model in DDP."""
+def accelerate_use_cpu_ddp_runs_the_block() -> None:
+    """Accelerator(cpu=True): MULTI_CPU, accelerate wraps the model in DDP. Two passes
+    through accelerator.backward inside the block: gradients match the unwrapped model
+    averaged over ranks (1e-6, float32); without the block the second pass is never
+    all-reduced (off by more than 1e-3). accelerator.unwrap_model(model) is refused,
+    naming what prepare returned."""
     from accelerate import Accelerator
 
     with _accelerate_state():
         accelerator = Accelerator(cpu=True)
-        model = accelerator.prepare(Net())
+        net, reference = _seeded(Net)
+        model = accelerator.prepare(net)
         assert isinstance(model, nn.parallel.DistributedDataParallel)
-        message = _refusal(model)
-    assert "got a DistributedDataParallel model" in message
+        error = _ddp_error(model, reference, backward=accelerator.backward)
+        plain = _ddp_error(model, reference, block=False, backward=accelerator.backward)
+        message = _refusal(accelerator.unwrap_model(model))
+    assert error <= 1e-6, error
+    assert plain > 1e-3, plain
     ws = dist.get_world_size()
-    assert f"The Accelerator set up MULTI_CPU with {ws} processes on cpu" in message, message
-    assert ", not FSDP." in message and "Set up FSDP: accelerate launch" in message
-    assert "Wrap the model with fully_shard" not in message
+    assert (f"not wrapped by DDP or FSDP. The Accelerator set up MULTI_CPU with {ws} processes on "
+            "cpu") in message, message
+    assert ("(DDP); pass what accelerator.prepare returned, not "
+            "accelerator.unwrap_model(model)") in message, message
+    assert "Trainer" not in message and "Lightning" not in message, message
 
 
 @registry.case()
@@ -156,24 +209,29 @@ def accelerate_fsdp1_unwrapped_names_prepare() -> None:
             "nor the model before prepare: that is the FSDP root.") in message, message
     assert "Lightning" not in message and "Trainer" not in message, message
     ws = dist.get_world_size()
-    assert (f"not wrapped by FSDP. The Accelerator set up FSDP with {ws} processes on cpu; "
+    assert (f"not wrapped by DDP or FSDP. The Accelerator set up FSDP with {ws} processes on cpu; "
             "pass what accelerator.prepare returned") in plain, plain
 
 
 class _Refusing:
-    """A transformers Trainer whose training_step opens the block on ``pick(self, model)``."""
+    """A transformers Trainer whose training_step opens the block on ``pick(self, model)``
+    (``pick`` None: no block) and then calls ``check(model, inputs)``."""
 
     @staticmethod
-    def trainer(pick, **arguments):
+    def trainer(pick, check=None, **arguments):
         from transformers import Trainer, TrainingArguments
 
         class BlockTrainer(Trainer):
             def training_step(self, model, inputs, num_items_in_batch=None):
                 inputs = self._prepare_inputs(inputs)
-                with no_reshard_between_backwards(pick(self, model)):
+                block = (contextlib.nullcontext() if pick is None
+                         else no_reshard_between_backwards(pick(self, model)))
+                with block:
                     loss = model(**inputs)["loss"]
                     self.accelerator.backward(loss, retain_graph=True)
                     self.accelerator.backward(loss)
+                if check is not None:
+                    check(model, inputs)
                 return loss.detach()
 
         data = [{"x": torch.randn(8), "y": torch.randn(1)} for _ in range(8)]
@@ -186,20 +244,41 @@ class _Refusing:
         return BlockTrainer(model=Net(), args=args, train_dataset=data)
 
 
-@registry.case()
-def hf_trainer_ddp_fallback_names_fsdp_arguments() -> None:
-    """Trainer(use_cpu=True) with FSDP asked for: accelerate falls back to DDP."""
+def _trainer_ddp_error(block: bool) -> float:
+    """Trainer(use_cpu=True) with FSDP asked for: accelerate falls back to DDP. One step
+    of two backward passes of the loss over one forward (with the block on the model
+    training_step receives, or without); the largest |grad - reference| where the
+    reference is twice the unwrapped model's gradient averaged over ranks."""
+    errors = []
+
+    def check(model, inputs) -> None:
+        assert isinstance(model, nn.parallel.DistributedDataParallel), type(model)
+        reference = copy.deepcopy(model.module)  # the step's weights; .grad is replaced
+        reference.zero_grad(set_to_none=True)
+        (2 * reference(**inputs)["loss"]).backward()
+        error = 0.0
+        for param, ref in zip(model.module.parameters(), reference.parameters(), strict=True):
+            dist.all_reduce(ref.grad)
+            ref.grad /= dist.get_world_size()
+            error = max(error, (param.grad - ref.grad).abs().max().item())
+        errors.append(error)
+
     with _accelerate_state():
         fsdp = {"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": ["Block"]}}
-        trainer = _Refusing.trainer(lambda self, model: model, use_cpu=True, **fsdp)
-        with pytest.raises(ValueError) as info:
-            trainer.train()
-    message = str(info.value)
-    assert "got a DistributedDataParallel model" in message
-    assert "The Trainer's Accelerator set up MULTI_CPU" in message, message
-    assert 'Set up FSDP: TrainingArguments(fsdp=True, fsdp_config={"version": 2' in message
-    assert "then pass the model your training_step receives" in message
-    assert "Wrap the model with fully_shard" not in message
+        pick = (lambda self, model: model) if block else None
+        _Refusing.trainer(pick, check, use_cpu=True, **fsdp).train()
+    (error,) = errors
+    return error
+
+
+@registry.case()
+def hf_trainer_ddp_fallback_runs_the_block() -> None:
+    """Trainer(use_cpu=True) with FSDP asked for: accelerate falls back to DDP and the
+    block runs in training_step: gradients match the unwrapped model averaged over ranks
+    (1e-6, float32); without the block they are off by more than 1e-2."""
+    error, plain = _trainer_ddp_error(True), _trainer_ddp_error(False)
+    assert error <= 1e-6, error
+    assert plain > 1e-2, plain
 
 
 @registry.case()
@@ -232,20 +311,32 @@ def _lightning_module(net: nn.Module):
             self.net = net
             self.scale = nn.Parameter(torch.ones(1))
 
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x) * self.scale
+
     return Module()
 
 
 @registry.case()
-def lightning_ddp_names_fsdp_strategies() -> None:
-    """What Lightning's DDPStrategy hands over: DDP around the LightningModule; and a
-    LightningModule with no FSDP unit in it."""
-    message = _refusal(nn.parallel.DistributedDataParallel(_lightning_module(Net())))
-    assert "Lightning's DDPStrategy wrapped it: use FSDPStrategy (FSDP1) or " in message
-    assert "pass self.trainer.strategy.model (Lightning's Trainer)" in message, message
-    plain = _refusal(_lightning_module(Net()))
-    assert ("not wrapped by FSDP. Under Lightning's FSDPStrategy or ModelParallelStrategy "
-            "pass self.trainer.strategy.model") in plain, plain
-    assert "accelerat" not in message + plain
+def lightning_ddp_runs_the_block() -> None:
+    """What Lightning's DDPStrategy hands over (self.trainer.strategy.model), DDP around the
+    LightningModule, runs: gradients match the unwrapped module averaged over ranks
+    (1e-6). The LightningModule itself, and what Fabric's DDPStrategy returns (its
+    _FabricModule around the DDP, holding no parameter of its own) runs the DDP inside;
+    the LightningModule itself is refused naming the object to pass."""
+    from lightning.fabric.wrappers import _FabricModule
+
+    module, reference = _seeded(lambda: _lightning_module(Net()))
+    ddp = nn.parallel.DistributedDataParallel(module)
+    assert (error := _ddp_error(ddp, reference)) <= 1e-6, error
+    plain = _refusal(module)
+    assert ("not wrapped by DDP or FSDP. Pass the model the strategy wrapped: "
+            "self.trainer.strategy.model (Lightning's Trainer) or the module fabric.setup "
+            "returned (Fabric), under DDPStrategy, FSDPStrategy or ModelParallelStrategy"
+            ) in plain, plain
+    fabric = _FabricModule(ddp, strategy=None, original_module=module)
+    assert (error := _ddp_error(ddp, reference, outer=fabric)) <= 1e-6, error
+    assert "accelerat" not in plain
 
 
 @registry.case()
@@ -262,7 +353,8 @@ def lightning_module_with_own_parameters_names_strategy_model() -> None:
 
 @registry.case()
 def no_stack_gets_the_generic_fix() -> None:
-    """No stack: a plain container of FSDP2 units, a plain module, a DDP model."""
+    """No stack: a plain container of FSDP2 units and a plain module are refused; a DDP
+    model runs (gradients match the unwrapped model averaged over ranks, 1e-6)."""
     net = Net()
     for block in net.blocks:
         fully_shard(block)
@@ -270,10 +362,12 @@ def no_stack_gets_the_generic_fix() -> None:
     assert wrapper.endswith("Wrap the root too (fully_shard(model) or "
                             "FullyShardedDataParallel(model)) and pass it."), wrapper
     plain = _refusal(Net())
-    assert plain.endswith("with DeepSpeed ZeRO-3, pass the engine deepspeed.initialize "
+    assert plain.endswith("Wrap it with DistributedDataParallel(...), fully_shard(...) or "
+                          "FullyShardedDataParallel(...) and pass the wrapper (the root module "
+                          "with FSDP; with DeepSpeed, pass the engine deepspeed.initialize "
                           "returns)."), plain
-    ddp = _refusal(nn.parallel.DistributedDataParallel(Net()))
-    assert ddp.endswith("Wrap the model with fully_shard(...) or "
-                        "FullyShardedDataParallel(...) instead."), ddp
-    for message in (wrapper, plain, ddp):
+    module, reference = _seeded(Net)
+    error = _ddp_error(nn.parallel.DistributedDataParallel(module), reference)
+    assert error <= 1e-6, error
+    for message in (wrapper, plain):
         assert "Lightning" not in message and "accelerat" not in message, message

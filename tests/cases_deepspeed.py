@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-3 cases, run inside ranks by ``tests/test_deepspeed.py`` (CPU, gloo).
+"""DeepSpeed cases (ZeRO-3, and stages 0-2 last), run inside ranks by ``tests/test_deepspeed.py`` (CPU, gloo).
 
 The cases live in parts, one concern each, registered here in this order:
 
@@ -14,6 +14,7 @@ The cases live in parts, one concern each, registered here in this order:
 - ``tests/cases_deepspeed_loss_grads.py``: per-loss gradients (``block.grads``).
 - ``tests/cases_deepspeed_nested.py``: backward passes inside a backward (a tiled MLP,
   a cached loss).
+- ``tests/cases_deepspeed_zero12.py``: ZeRO stages 0, 1 and 2 (their own block).
 
 ``tests/cases_deepspeed_common.py`` holds what they share (the model, the engine, the
 reference, ``Scenario`` and ``run_parity``, collective counting).
@@ -27,6 +28,7 @@ from tests import (
     cases_deepspeed_parity,
     cases_deepspeed_pass_starts,
     cases_deepspeed_state,
+    cases_deepspeed_zero12,
 )
 from tests.case_parts import combined
 
@@ -38,4 +40,5 @@ registry = combined(
     cases_deepspeed_inputs,
     cases_deepspeed_loss_grads,
     cases_deepspeed_nested,
+    cases_deepspeed_zero12,
 )

@@ -254,7 +254,7 @@ def fifty_steps_do_not_grow_memory_or_hooks() -> None:
 @registry.case()
 def misuse_gets_clear_errors() -> None:
     plain = make_net()
-    with pytest.raises(ValueError, match="not wrapped by FSDP"):
+    with pytest.raises(ValueError, match="not wrapped by DDP or FSDP"):
         with no_reshard_between_backwards(plain):
             pass
     container = make_net()
@@ -281,10 +281,19 @@ def misuse_gets_clear_errors() -> None:
         no_reshard_between_backwards(model, backwards=0).__enter__()
     with pytest.raises(TypeError, match="keep_unsharded"):
         no_reshard_between_backwards(model, keep_unsharded="yes").__enter__()
+    # A DDP model is taken (tests/test_ddp.py); its misuses are refused as FSDP2's.
     ddp = torch.nn.parallel.DistributedDataParallel(make_net())
-    with pytest.raises(ValueError, match="DistributedDataParallel"):
+    with pytest.raises(ValueError, match="already active"):
         with no_reshard_between_backwards(ddp):
+            with no_reshard_between_backwards(ddp):
+                pass
+    with pytest.raises(ValueError, match="reshard_to"):
+        with no_reshard_between_backwards(ddp, reshard_to=1):
             pass
+    with no_reshard_between_backwards(ddp):
+        out = ddp(batch(0))
+        out.sum().backward(retain_graph=True)
+        out.pow(2).sum().backward()
 
 
 @registry.case()

@@ -27,6 +27,8 @@ in one of its parts, with the stack in its name and docstring.
 - **Hooks for one pass** (bergson-style collectors reading ``block.probing``).
 - **A byte budget under per-block torch.compile and with peft LoRA**: some units
   kept, the others re-gathered, after a probe pass.
+- **DDP** (what HF Trainer and accelerate set up by default): HF Qwen2 with every
+  kind of checkpointing, ``static_graph`` and ``find_unused_parameters``, peft LoRA.
 
 Parity is against an unsharded reference (deep copy before wrapping, the
 same checkpointing, gradients averaged over ranks) over 3 SGD-momentum steps.
@@ -36,12 +38,14 @@ Qwen2, LoRA, frozen embedding), ``tests/cases_real_stacks_reentrant.py``
 (``torch.utils.checkpoint``), ``tests/cases_real_stacks_guards.py`` (a forward
 before the block, the FSDP1 guards), ``tests/cases_real_stacks_hooks.py`` (hooks
 for one pass), ``tests/cases_real_stacks_budget.py`` (a byte budget under
-torch.compile and with LoRA). The HF model, its wrapping and the RL parity check
+torch.compile and with LoRA), ``tests/cases_real_stacks_ddp.py`` (HF Qwen2 and LoRA
+on DDP). The HF model, its wrapping and the RL parity check
 are ``tests/real_stacks_hf.py``'s.
 """
 
 from tests import (
     cases_real_stacks_budget,
+    cases_real_stacks_ddp,
     cases_real_stacks_guards,
     cases_real_stacks_hf,
     cases_real_stacks_hooks,
@@ -57,4 +61,5 @@ registry = combined(
     cases_real_stacks_hooks,
     cases_real_stacks_budget,
     cases_real_stacks_wrappers,
+    cases_real_stacks_ddp,
 )

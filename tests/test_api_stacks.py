@@ -1,8 +1,8 @@
-"""Refusals that name the fix in the user's stack: accelerate's fallbacks (plain
-processes, DDP), ``accelerator.unwrap_model`` under accelerate and transformers'
-``Trainer`` (FSDP1 set up on CPU), Lightning's DDP and wrappers, and no stack (CPU,
-gloo, world size 2; tests/cases_api_stacks.py). And: telling the stacks apart imports
-none of them."""
+"""The stacks' wrappers and the refusals that name the fix there: accelerate's fallbacks
+(plain processes refused, DDP run), ``accelerator.unwrap_model`` under accelerate and
+transformers' ``Trainer`` (FSDP1 set up on CPU, and the Trainer's DDP fallback run),
+Lightning's DDP (run) and wrappers, and no stack (CPU, gloo, world size 2;
+tests/cases_api_stacks.py). And: telling the stacks apart imports none of them."""
 
 import subprocess
 import sys
@@ -19,16 +19,26 @@ case_tests(globals(), "tests.cases_api_stacks", {"test_api_stacks": (2, 600)})
 
 _NO_IMPORT = """
 import sys
+import tempfile
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from fsdp_retain import no_reshard_between_backwards
-for model in (nn.Linear(2, 2), nn.parallel.DistributedDataParallel.__new__(
-        nn.parallel.DistributedDataParallel)):
-    try:
-        no_reshard_between_backwards(model).__enter__()
-    except ValueError as exc:
-        print(str(exc)[:60])
-    else:
-        raise SystemExit("no refusal")
+try:
+    no_reshard_between_backwards(nn.Linear(2, 2)).__enter__()
+except ValueError as exc:
+    print(str(exc)[:60])
+else:
+    raise SystemExit("no refusal")
+store = tempfile.NamedTemporaryFile(delete=False).name
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+with no_reshard_between_backwards(ddp):
+    loss = ddp(torch.ones(1, 2)).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+print("DDP block ran")
+dist.destroy_process_group()
 stacks = ("accelerate", "transformers", "lightning", "pytorch_lightning", "lightning_fabric")
 imported = sorted(m for m in sys.modules if m.split(".")[0] in stacks)
 raise SystemExit(f"imported {imported}" if imported else 0)
@@ -36,8 +46,9 @@ raise SystemExit(f"imported {imported}" if imported else 0)
 
 
 def test_refusals_import_no_stack():
-    """The refusals of a plain module and of a DDP model import no stack."""
+    """The refusal of a plain module and a block on a DDP model import no stack."""
     proc = subprocess.run([sys.executable, "-c", _NO_IMPORT], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("no_reshard_between_backwards got a") == 2, proc.stdout
+    assert proc.stdout.count("no_reshard_between_backwards got a") == 1, proc.stdout
+    assert "DDP block ran" in proc.stdout, proc.stdout

@@ -12,7 +12,7 @@ try:
     with no_reshard_between_backwards(nn.Linear(2, 2)):
         pass
 except ValueError as exc:
-    assert "not wrapped by FSDP" in str(exc), exc
+    assert "not wrapped by DDP or FSDP" in str(exc), exc
 else:
     raise AssertionError("a plain module was accepted")
 assert "deepspeed" not in sys.modules, "fsdp_retain imported deepspeed"

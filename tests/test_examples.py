@@ -21,15 +21,18 @@ all-gathers, so agreement alone would not show that the block did anything).
   accumulation 2 matches an unsharded single-process replay, which divides each
   loss by the accumulation steps itself; micro-batches inside
   ``accelerator.accumulate`` that do not sync reduce-scatter nothing.
+- accelerate/train.py with ddp.yaml and ``ACCELERATE_USE_CPU=1`` (DDP, no shim):
+  matches the replay; the block all-reduces DDP's one bucket per pass of a syncing
+  micro-batch and nothing on the others.
 - accelerate/train.py launched without the shim (accelerate falls back to
-  independent processes) and with ``ACCELERATE_USE_CPU=1`` (DDP): it refuses; with
-  ``accelerate launch --cpu --num_processes 2`` (one process): it says so.
+  independent processes): it refuses; with ``accelerate launch --cpu
+  --num_processes 2`` (one process): it says so.
 - hf_trainer.py (a transformers ``Trainer`` subclass, tiny Qwen2), FSDP2 and FSDP1
   from the Trainer's own fsdp arguments (through ``examples/accelerate_cpu_fsdp.py``),
   gradient accumulation 2: parity with a one-process replay over 3 steps; one
-  all-gather per unit per micro-batch. Without the block FSDP1 fails; on the Trainer's
-  DDP fallback (``use_cpu=True``) the block refuses naming the Trainer's FSDP arguments,
-  and without it the parameters end away from the replay.
+  all-gather per unit per micro-batch. Without the block FSDP1 fails. ``--ddp`` (the
+  Trainer's own DDP, ``use_cpu=True``): parity with the block, and all-reduces counted
+  per pass; without it the parameters end away from the replay.
 - influence_trace.py at tiny size, FSDP2 and FSDP1, ``--mode both`` (2
   micro-batches per step, the first without gradient sync, backward 1 a probe
   pass): gradient projections and final parameters agree between the two
@@ -304,22 +307,41 @@ def test_accelerate_train(config, version, wrapper):
     assert _blocks(out) == [no_sync, sync] * (micro_batches // accumulation)
 
 
-@pytest.mark.parametrize(
-    "env, fallback",
-    [({}, "NO with 1 process(es)"), ({"ACCELERATE_USE_CPU": "1"}, "MULTI_CPU with 2 process(es)")],
-    ids=["no_accelerator", "use_cpu_ddp"],
-)
-def test_accelerate_train_refuses_fallback(env, fallback):
-    """No accelerator: accelerate falls back (plain processes, or DDP); the example refuses."""
-    proc = _accelerate("fsdp2.yaml", str(EXAMPLES / "accelerate" / "train.py"), env=env)
+def test_accelerate_train_ddp():
+    """ACCELERATE_USE_CPU=1 accelerate launch (ddp.yaml, 2 CPU ranks, no shim): accelerate
+    wraps the model in DDP (MULTI_CPU), gradient accumulation 2; the block all-reduces
+    both passes of every syncing micro-batch, and training matches an unwrapped
+    single-process replay."""
+    proc = _accelerate("ddp.yaml", COUNT_BLOCKS, str(EXAMPLES / "accelerate" / "train.py"),
+                       env={"ACCELERATE_USE_CPU": "1"})
+    out = _check_ok(proc)
+    assert ("accelerate: DDP (MULTI_CPU), 2 processes on cpu, gradient_accumulation_steps 2; "
+            "model DistributedDataParallel around Net") in out, out
+    micro_batches, accumulation = 16, 2
+    assert _number(r"replay after (\d+) optimizer steps", out) == micro_batches // accumulation
+    assert _number(r"optimizer steps: (\S+)", out) <= 1e-4
+    # Net's ~0.4 MB of parameters are one DDP bucket. accumulate's no_sync micro-batches
+    # all-reduce nothing; the syncing one one bucket per pass (sync_grads="every").
+    buckets = 1
+    no_sync = {"passes": 2, "all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    sync = dict(no_sync, all_reduce=2 * buckets)
+    assert _blocks(out) == [no_sync, sync] * (micro_batches // accumulation)
+
+
+def test_accelerate_train_refuses_no_accelerator():
+    """No accelerator, no ACCELERATE_USE_CPU: accelerate falls back to independent
+    processes (NO); the example refuses, naming the commands that work."""
+    proc = _accelerate("fsdp2.yaml", str(EXAMPLES / "accelerate" / "train.py"))
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
-    assert f"error: accelerate set up {fallback}" in out, out[-4000:]
-    assert "not FSDP" in out
-    # Said once (by rank 0), with the CPU command that works.
+    assert "error: accelerate set up NO with 1 process(es)" in out, out[-4000:]
+    assert "not FSDP, DeepSpeed or DDP" in out
+    # Said once (by rank 0), with the CPU commands that work.
     assert out.count("error: accelerate set up") == 1, out[-4000:]
     assert ("accelerate launch --config_file examples/accelerate/fsdp2.yaml "
             "examples/accelerate_cpu_fsdp.py examples/accelerate/train.py") in out
+    assert ("ACCELERATE_USE_CPU=1 accelerate launch --config_file examples/accelerate/ddp.yaml "
+            "examples/accelerate/train.py") in out
     assert "agreement" not in proc.stdout
 
 
@@ -369,21 +391,30 @@ def test_hf_trainer_plain_fsdp1_fails():
 
 
 @pytest.mark.parametrize("library", [True, False], ids=["block", "plain"])
-def test_hf_trainer_ddp_fallback(library):
-    """hf_trainer.py --cpu-fallback (use_cpu=True: the Trainer falls back to DDP): the
-    block refuses, naming the Trainer's FSDP arguments; without it, DDP never
-    all-reduces the second backward and the parameters end away from the replay."""
-    args = ["--cpu-fallback"] + ([] if library else ["--no-library"])
-    proc = _torchrun("hf_trainer.py", *args, count_blocks=False)
+def test_hf_trainer_ddp(library):
+    """hf_trainer.py --ddp (no fsdp arguments, use_cpu=True: the Trainer wraps the model in
+    DDP, find_unused_parameters=True), gradient accumulation 2, 3 steps: with the block,
+    parity with a one-process replay; without it, DDP all-reduces only the first backward
+    and the parameters end away from the replay (~1e-4 here: the z-loss is small)."""
+    steps, accumulation = 3, 2
+    args = ["--ddp", "--steps", str(steps)] + ([] if library else ["--no-library"])
+    proc = _torchrun("hf_trainer.py", *args, count_blocks=library)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-4000:]
+    assert (f"Trainer: DDP (MULTI_CPU), 2 processes on cpu, gradient_accumulation_steps "
+            f"{accumulation}; model DistributedDataParallel around Qwen2ForCausalLM"
+            ) in proc.stdout, out[-4000:]
     if library:
-        assert "got a DistributedDataParallel model" in out, out[-4000:]
-        assert "The Trainer's Accelerator set up MULTI_CPU with 2 processes" in out
-        assert "Set up FSDP: TrainingArguments(fsdp=True" in out
-        assert "agreement" not in proc.stdout
+        _check_ok(proc)
+        assert _number(r"PARITY max_diff=(\S+)", out) <= 1e-5
+        assert _number(r"largest update (\S+);", out) > 1e-3
+        # The tiny Qwen2 is one DDP bucket; the Trainer's no_sync micro-batch all-reduces
+        # nothing, the syncing one per pass the bucket and DDP's used-parameter map.
+        buckets, used_map = 1, 1
+        no_sync = {"passes": 2, "all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        sync = dict(no_sync, all_reduce=2 * (buckets + used_map))
+        assert _blocks(out) == [no_sync, sync] * steps
     else:
-        assert "Trainer: MULTI_CPU, 2 processes on cpu" in proc.stdout, out[-4000:]
+        assert proc.returncode != 0, out[-4000:]
         assert _number(r"PARITY max_diff=(\S+)", proc.stdout) > 1e-5
         assert "agreement: FAILED" in proc.stdout
 

@@ -384,7 +384,7 @@ def test_model_config_errors_name_the_fix(tmp_path, fields, message):
     [
         (dict(modes=("keep:every",)), "two_forward"),
         (dict(modes=("two_forward", "keep:sometimes")), "keep:sometimes"),
-        (dict(backends=("ddp",)), "ddp"),
+        (dict(backends=("megatron",)), "megatron"),
         (dict(hidden=65), "hidden"),
     ],
 )

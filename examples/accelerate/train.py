@@ -1,15 +1,19 @@
-"""Two losses, one forward, under `accelerate launch` with FSDP and gradient accumulation.
+"""Two losses, one forward, under `accelerate launch` with FSDP, DeepSpeed or DDP and
+gradient accumulation.
 
 Run on GPUs (set num_processes in the config to your GPU count):
 
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate/train.py
     accelerate launch --config_file examples/accelerate/fsdp1.yaml examples/accelerate/train.py
     accelerate launch --config_file examples/accelerate/zero3.yaml examples/accelerate/train.py
+    accelerate launch --config_file examples/accelerate/ddp.yaml examples/accelerate/train.py
 
 Run on CPU (2 ranks, gloo), from a clone, through the launcher shim that lets
-accelerate's own FSDP setup run on gloo (examples/accelerate_cpu_fsdp.py):
+accelerate's own FSDP setup run on gloo (examples/accelerate_cpu_fsdp.py); DDP needs
+no shim, only ACCELERATE_USE_CPU=1:
 
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate_cpu_fsdp.py examples/accelerate/train.py
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file examples/accelerate/ddp.yaml examples/accelerate/train.py
 
 Under DeepSpeed (zero3.yaml) the prepared model is the ``DeepSpeedEngine`` and
 ``accelerator.backward`` runs ``engine.step()`` after every call, which must
@@ -20,7 +24,7 @@ A plain accelerate training loop that backpropagates two losses one after the
 other over one forward (`accelerator.backward(loss, retain_graph=True)`, then
 the second loss). What fsdp_retain adds is marked `# New code #`.
 
-At the end the script replays the same global batches on an unsharded copy of
+At the end the script replays the same global batches on an unwrapped copy of
 the model in each process (a plain PyTorch loop: one summed loss divided by the
 accumulation steps, one optimizer step per accumulation window) and exits with
 status 1 unless the parameters agree. That checks the whole chain: the block,
@@ -28,12 +32,15 @@ status 1 unless the parameters agree. That checks the whole chain: the block,
 `accelerator.accumulate` skipping the gradient sync on all but the last
 micro-batch of a window.
 
+Under DDP (ddp.yaml, or accelerate's fallback from an FSDP config with
+`ACCELERATE_USE_CPU=1`) DDP itself all-reduces only the first backward over a
+forward; the block all-reduces every pass (pytorch/pytorch#47260).
+
 accelerate sets up FSDP and DeepSpeed only on accelerator backends (GPU, XPU, ...). Launched
-any other way (no GPU, `use_cpu: true`, `ACCELERATE_USE_CPU=1`, plain `python`)
-it silently falls back to independent processes or to DDP, and under DDP a
-second backward over one forward is never all-reduced: silently wrong
-gradients. `accelerate launch --cpu --num_processes 2` starts one process
-only. This script stops with an error instead, naming the command that works.
+any other way (no GPU, plain `python`) it silently falls back to independent processes,
+each training its own copy of the model; `accelerate launch --cpu --num_processes 2`
+starts one process only. This script stops with an error instead, naming the commands
+that work.
 """
 
 import argparse
@@ -99,17 +106,26 @@ COMMANDS = (
     "examples/accelerate/train.py\n"
     "  On CPU (a shim from this repository that lets accelerate's own FSDP setup run on "
     "gloo): accelerate launch --config_file examples/accelerate/fsdp2.yaml "
-    "examples/accelerate_cpu_fsdp.py examples/accelerate/train.py"
+    "examples/accelerate_cpu_fsdp.py examples/accelerate/train.py\n"
+    "  DDP on CPU (no shim): ACCELERATE_USE_CPU=1 accelerate launch --config_file "
+    "examples/accelerate/ddp.yaml examples/accelerate/train.py"
 )
 
 
+def is_ddp(accelerator: Accelerator) -> bool:
+    """accelerate wraps the model in DDP: MULTI_GPU, MULTI_CPU, ... with 2+ processes."""
+    return (accelerator.distributed_type.value.startswith("MULTI_")
+            and accelerator.num_processes > 1)
+
+
 # New code #
-def require_fsdp(accelerator: Accelerator) -> None:
-    """Stops unless accelerate really set up FSDP or DeepSpeed (see the module docstring)."""
+def require_wrapped(accelerator: Accelerator) -> None:
+    """Stops unless accelerate really set up FSDP, DeepSpeed or DDP over every launched
+    process (see the module docstring)."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED) and (
-        accelerator.num_processes == launched  # DeepSpeed on CPU: each rank alone
-    ):
+    wrapped = (accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+               or is_ddp(accelerator))
+    if wrapped and accelerator.num_processes == launched:  # DeepSpeed on CPU: each rank alone
         return
     if os.environ.get("RANK", "0") != "0":
         time.sleep(5)  # rank 0 says why, once; the launcher then stops this rank
@@ -120,16 +136,16 @@ def require_fsdp(accelerator: Accelerator) -> None:
                "script once, whatever --num_processes says"
                if "ACCELERATE_MIXED_PRECISION" in os.environ  # set by every accelerate launch
                else "started as 1 process, not by accelerate launch")
-        sys.exit(f"error: {how}; this example needs 2 or more FSDP (or DeepSpeed) "
+        sys.exit(f"error: {how}; this example needs 2 or more FSDP, DeepSpeed or DDP "
                  f"processes.\n{COMMANDS}")
     sys.exit(
         f"error: accelerate set up {accelerator.distributed_type.value} with "
-        f"{accelerator.num_processes} process(es) on {accelerator.device}, not FSDP "
-        "(or DeepSpeed). accelerate selects FSDP only on accelerator backends (and "
-        "DeepSpeed without one leaves each rank a 1-process accelerator); without one "
-        "(or with use_cpu / ACCELERATE_USE_CPU=1) it falls back to independent "
-        "processes or DDP, and under DDP a second backward over one forward silently "
-        f"skips the gradient all-reduce.\n{COMMANDS}"
+        f"{accelerator.num_processes} process(es) on {accelerator.device}, not FSDP, "
+        "DeepSpeed or DDP over the launched processes. accelerate selects FSDP only on "
+        "accelerator backends (and DeepSpeed without one leaves each rank a 1-process "
+        "accelerator); without one it falls back to independent processes, each "
+        "training its own copy, unless ACCELERATE_USE_CPU=1 (or use_cpu) gives it DDP."
+        f"\n{COMMANDS}"
     )
 
 
@@ -140,6 +156,11 @@ def describe(accelerator: Accelerator, model: nn.Module) -> str:
             f"on {accelerator.device.type}, gradient_accumulation_steps "
             f"{model.gradient_accumulation_steps()}; model {type(model.module).__name__}"
         )
+    if is_ddp(accelerator):
+        return (f"DDP ({accelerator.distributed_type.value}), {accelerator.num_processes} "
+                f"processes on {accelerator.device.type}, gradient_accumulation_steps "
+                f"{accelerator.gradient_accumulation_steps}; model {type(model).__name__} "
+                f"around {type(model.module).__name__}")
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     units = sum(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
@@ -171,7 +192,7 @@ def full_parameters(accelerator: Accelerator, model) -> dict:
 
 
 def replay_unsharded(model: nn.Module, seen, lr: float, accumulation: int) -> nn.Module:
-    """The same training on one process without FSDP: the reference for the check."""
+    """The same training on one process, unwrapped: the reference for the check."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     for x, target, sync in seen:
         out = model(x)
@@ -195,7 +216,7 @@ def main() -> None:
 
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     # New code #
-    require_fsdp(accelerator)
+    require_wrapped(accelerator)
 
     torch.manual_seed(0)
     model = Net(args.dim, args.layers)
@@ -234,7 +255,7 @@ def main() -> None:
     max_diff = max((trained[k].to(v.device) - v).abs().max().item() for k, v in expected.items())
     steps = sum(sync for _, _, sync in seen)
     accelerator.print(
-        f"max |param difference| vs unsharded single-process replay after {steps} "
+        f"max |param difference| vs unwrapped single-process replay after {steps} "
         f"optimizer steps: {max_diff:.3g}"
     )
     ok = max_diff <= 1e-4

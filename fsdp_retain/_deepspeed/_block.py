@@ -78,7 +78,6 @@ refused when it is above 1 (``engine.backward`` scales the loss itself).
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -86,6 +85,7 @@ import torch.nn as nn
 
 from .._common import RetainError, queue_callback, require_attr
 from .. import _pass_start
+from ._engine import UNSCALED, check_engine_common, flavour, step_inside_block, zero_stage
 from ._grads import PartitionSlots
 from ._nested import DeepSpeedSpan
 from ._graph import ForwardGraph, ZeroParams, held_node
@@ -116,51 +116,16 @@ FORWARD_AFTER_HELD_PASS = (
     "sync_grads='every'."
 )
 
-UNSCALED = (
-    "no_reshard_between_backwards: this loss.backward() never reaches the DeepSpeed "
-    "engine's output (it starts at a tensor inside the model), where DeepSpeed divides "
-    "the gradient by gradient_accumulation_steps ({gas}); its gradients would be {gas}x "
-    "too large. Use engine.backward(loss), which scales the loss itself, or start the "
-    "pass from the engine's output."
-)
-
-
-def _flavour() -> str:
-    ds = sys.modules.get("deepspeed")
-    version = getattr(ds, "__version__", "?")
-    return f"DeepSpeed {version} ZeRO-3"
-
-
-def is_deepspeed_engine(model: object) -> bool:
-    """True for a ``DeepSpeedEngine``; False (without importing it) if deepspeed is not loaded."""
-    if "deepspeed" not in sys.modules:
-        return False
-    engine_module = sys.modules.get("deepspeed.runtime.engine")
-    cls = getattr(engine_module, "DeepSpeedEngine", None)
-    return cls is not None and isinstance(model, cls)
-
 
 def check_engine(engine: Any) -> None:
     """``ValueError`` for the engine configurations this backend does not handle."""
-    stage = int(require_attr(engine, "zero_optimization_stage", _flavour())())
+    stage = zero_stage(engine)
     if stage != 3:
         raise ValueError(
-            f"no_reshard_between_backwards supports DeepSpeed ZeRO stage 3, got stage "
-            f"{stage}. Stages 0-2 keep full parameters, so several backward passes "
-            "over a retained graph run without the block, but fsdp_retain has not "
-            "verified their gradients; set zero_optimization.stage to 3 to use it."
+            f"DeepSpeedBlock is the ZeRO-3 block, got stage {stage}: "
+            "no_reshard_between_backwards picks DeepSpeedZero12Block for stages 0-2."
         )
-    if getattr(engine, "pipeline_parallelism", False):
-        raise ValueError(
-            "no_reshard_between_backwards does not support DeepSpeed pipeline "
-            "parallelism (PipelineEngine); use a plain ZeRO-3 engine."
-        )
-    active = getattr(engine, "is_deepcompile_active", None)
-    if active is not None and active():
-        raise ValueError(
-            "no_reshard_between_backwards does not support DeepCompile: it replaces "
-            "ZeRO-3's hooks. Disable compile.deepcompile in the DeepSpeed config."
-        )
+    check_engine_common(engine, stage)
     offload = getattr(engine, "zero_offload_param", lambda: None)()
     if offload is not None and str(getattr(offload, "device", "none")).endswith(("cpu", "nvme")):
         raise ValueError(
@@ -188,7 +153,7 @@ class DeepSpeedBlock(BlockBase):
         check_engine(engine)
         super().__init__(engine, options)
         self._all_kept = self.policy.keeps_all
-        self._flavour = _flavour()
+        self._flavour = flavour()
         self._optimizer = engine.optimizer
         offload = require_attr(self._optimizer, "parameter_offload", self._flavour)
         self._coordinator = require_attr(offload, "get_param_coordinator", self._flavour)()
@@ -224,7 +189,7 @@ class DeepSpeedBlock(BlockBase):
         if self.policy.holds_back:
             self._optimizer._coalesce_grad_reduction = True
         self._release = release
-        self.model.step = _step_inside_block
+        self.model.step = step_inside_block
         # The engine's own prologue, run by the block at each pass start; every
         # other call in the block is a forward's output hook (see the note).
         self._prologue = require_attr(self.model, "_backward_prologue", flavour)
@@ -458,15 +423,6 @@ def _nodes_from_before(root: nn.Module, flavour: str) -> list[Any]:
             if node is not None:
                 found.append(node)
     return found
-
-
-def _step_inside_block(*args: Any, **kwargs: Any) -> None:
-    raise RetainError(
-        "engine.step() was called inside no_reshard_between_backwards: the block still "
-        "holds parameters and gradients for later passes. Call engine.step() after the "
-        "block (with accelerate, the last pass must not go through accelerator.backward, "
-        "which steps the engine; use engine.backward)."
-    )
 
 
 def _keep_gathered(param: Any, free_data: bool = True) -> None:

@@ -22,7 +22,8 @@ The core library never imports this package. One concern per module:
 beyond torch, checked up front), ``_memory`` (peak and breakdown), ``_runner``
 (one backend on one rank), ``_rows`` (``ReportRow``: the schema of a row),
 ``_results`` (rows from every rank, the comparisons, the report), ``_simulate``,
-``_launch`` (ranks), ``_output`` (the files), ``_figures`` (the figures;
+``_launch`` (ranks), ``_deepspeed`` and ``_ddp`` (the ZeRO-3 and DDP backends; ``_ddp``
+also checks that a step leaves the same gradients on every rank), ``_output`` (the files), ``_figures`` (the figures;
 ``python -m fsdp_retain.report.figures`` redraws them from ``report.json`` files).
 ``python -m fsdp_retain.report fit`` prints the largest ``keep_unsharded`` budget that
 fits a GPU: ``_fit_cli`` (its command line and answer), ``_fit_search`` (which budgets to

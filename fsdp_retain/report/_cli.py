@@ -33,7 +33,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=ALL_BACKENDS,
                         help="backends to run, in order (default: fsdp2 fsdp1; deepspeed: "
-                        "ZeRO-3, needs deepspeed installed)")
+                        "ZeRO-3, needs deepspeed installed; ddp: DistributedDataParallel, "
+                        "the modes that only change keep_unsharded or reshard_to are n/a)")
     parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES),
                         help=" ".join(mode_labels()) + " (regather_node: keep_unsharded=False "
                         "with reshard_to=<--node-size>, FSDP2 only; needs --node-size)")
@@ -63,6 +64,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         "reshard_to of mode regather_node, and the all-gathers on groups of "
                         "more than N ranks count as inter-node. Not read from the launcher: "
                         "give it on real launches too")
+    parser.add_argument("--ddp-bucket-cap-mb", type=float, default=None, metavar="MIB",
+                        help="--backend ddp: DDP's bucket_cap_mb (default: DDP's 25); the "
+                        "all-reduces per step are counted per bucket")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="non-reentrant activation checkpointing on every decoder layer")
     parser.add_argument("--gpu-memory", nargs="+", default=[], metavar="SIZE",
@@ -119,6 +123,7 @@ def _make_config(args: argparse.Namespace, command: str) -> ReportConfig:
         activation_checkpointing=args.activation_checkpointing,
         gpu_memory=tuple(parse_bytes(size) for size in args.gpu_memory),
         node_size=args.node_size,
+        ddp_bucket_cap_mb=args.ddp_bucket_cap_mb,
         **{name: getattr(args, name) for name in DIM_FLAGS},
     )
 

@@ -9,7 +9,8 @@ from ._hf_config import config_dims
 from ._modes import DEFAULT_MODES, Mode
 
 BACKENDS = ("fsdp2", "fsdp1")  # the default
-ALL_BACKENDS = BACKENDS + ("deepspeed",)  # deepspeed: ZeRO-3, needs deepspeed installed
+# deepspeed: ZeRO-3, needs deepspeed installed; ddp: DistributedDataParallel (nothing sharded).
+ALL_BACKENDS = BACKENDS + ("deepspeed", "ddp")
 MIN_TIMED_STEPS = 10
 
 # Qwen2.5 shapes (published configs); "tiny" and "small" are for CPU runs.
@@ -79,6 +80,7 @@ class ReportConfig:
     gpu_memory: tuple[int, ...] = ()  # bytes per rank: print the largest budget that fits
     # Ranks per node: regather_node's reshard_to, and which all-gathers leave a node.
     node_size: int | None = None
+    ddp_bucket_cap_mb: float | None = None  # ddp: DDP's bucket_cap_mb (None: its 25)
 
     def __post_init__(self) -> None:
         self.backends = tuple(self.backends)
@@ -86,14 +88,18 @@ class ReportConfig:
         for backend in self.backends:
             if backend not in ALL_BACKENDS:
                 raise ValueError(
-                    f"unknown backend {backend!r}: use fsdp1, fsdp2 and/or deepspeed")
-        if "deepspeed" in self.backends and self.simulate_world_size is not None:
-            raise ValueError("--simulate-world-size runs fsdp1 and fsdp2 only, not deepspeed")
+                    f"unknown backend {backend!r}: use fsdp1, fsdp2, deepspeed and/or ddp")
+        real_only = [b for b in self.backends if b in ("deepspeed", "ddp")]
+        if real_only and self.simulate_world_size is not None:
+            raise ValueError(f"--simulate-world-size runs fsdp1 and fsdp2 only, not "
+                             f"{real_only[0]}: drop --backend {real_only[0]}")
         labels = [Mode.parse(m).label for m in self.modes]
         if "two_forward" not in labels:
             raise ValueError("modes must include two_forward: savings and overheads are against it")
         self.modes = tuple(labels)
         self.check_node_size(self.simulate_world_size or self.nproc)
+        if self.ddp_bucket_cap_mb is not None and not self.ddp_bucket_cap_mb > 0:
+            raise ValueError(f"--ddp-bucket-cap-mb must be > 0 (MiB), got {self.ddp_bucket_cap_mb}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in DTYPES:

@@ -201,12 +201,18 @@ def report_figure(report: Report):
 
 
 def error_text(row: ReportRow) -> str:
-    """What a failed row's bar says: ``n/a (FSDP2 only)`` for an FSDP2-only mode on another
-    backend (it cannot run there), ``expected crash`` (plain FSDP1's or ZeRO-3's ``naive``),
-    else ``error``."""
+    """What a failed row's bar says: ``n/a (nothing sharded)`` for a mode that only changes
+    what DDP does not have (``ModeSpec.not_applicable``), ``n/a (FSDP2 only)`` for an
+    FSDP2-only mode on another backend (it cannot run there), ``wrong gradients`` (plain
+    DDP's ``naive``: it ran, and the ranks' gradients disagree), ``expected crash`` (plain
+    FSDP1's or ZeRO-3's ``naive``), else ``error``."""
     spec = MODES.get(row.mode)
+    if spec is not None and row.backend in spec.not_applicable:
+        return "n/a (nothing sharded)"
     if spec is not None and not spec.applies_to(row.backend):
         return "n/a (FSDP2 only)"
+    if row.expected_error and "ReplicasDisagree" in (row.error or ""):
+        return "wrong gradients"  # plain DDP's naive: it ran, the ranks disagree
     return "expected crash" if row.expected_error else "error"
 
 

@@ -100,8 +100,14 @@ def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def wrap(model, backend: str, device, mesh=None):
-    """Shards each decoder layer, then the root, with ``backend``'s defaults."""
+def wrap(model, backend: str, device, mesh=None, *, bucket_cap_mb: float | None = None):
+    """Shards each decoder layer, then the root, with ``backend``'s defaults (``ddp``:
+    the whole model in one ``DistributedDataParallel``, nothing sharded, its buckets of
+    ``bucket_cap_mb``; ``None``: DDP's default)."""
+    if backend == "ddp":
+        from ._ddp import wrap as ddp_wrap
+
+        return ddp_wrap(model, device, bucket_cap_mb)
     layers = decoder_layers(model)
     if backend == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -119,6 +125,12 @@ def wrap(model, backend: str, device, mesh=None):
 
 
 def fsdp_units(model, backend: str) -> int:
+    """The units the backend communicates by: FSDP units; on ``ddp`` its gradient buckets
+    (one bucket until DDP's first synced backward rebuilds them: read it after a step)."""
+    if backend == "ddp":
+        from ._ddp import buckets
+
+        return buckets(model)
     if backend == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 

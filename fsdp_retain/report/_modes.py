@@ -51,6 +51,15 @@ def _accumulate_bound(sync_grads: str | None, baseline_peak: int, unsharded: int
             f"unsharded params + unsharded grads of all units {KEEP_SLACK_TEXT}")
 
 
+def _ddp_bound(sync_grads: str | None, baseline_peak: int, unsharded: int,
+               reshard_to: int | None) -> tuple[int, str]:
+    # DDP keeps nothing (every rank holds the whole model and its gradients in both
+    # modes): the block adds the flat copy of every bucket it all-reduces, all launched
+    # before the first is waited on ([Note: how the block reduces DDP gradients]).
+    return (int((1 + KEEP_SLACK) * unsharded),
+            f"DDP: the block's flat copy of every bucket (the grads) {KEEP_SLACK_TEXT}")
+
+
 def _regather_bound(sync_grads: str | None, baseline_peak: int, unsharded: int,
                     reshard_to: int | None) -> tuple[int, str]:
     return int(REGATHER_SLACK * baseline_peak), f"{REGATHER_SLACK_TEXT} of two_forward peak"
@@ -87,7 +96,10 @@ class ModeSpec:
     ``set_reshard_after_backward(False)``); ``short_what``: ``what`` in the plot's
     legend; ``fsdp2_only``: the mode calls FSDP2's own methods, so on other backends
     its row is not applicable (recorded as an expected ``ValueError``); ``node_groups``:
-    the block's ``reshard_to`` is the report's ``--node-size`` (``Mode.reshard_to``).
+    the block's ``reshard_to`` is the report's ``--node-size`` (``Mode.reshard_to``);
+    ``not_applicable``: backend -> why the mode means nothing there (on DDP, which
+    shards nothing, the modes that differ from ``keep`` only in ``keep_unsharded`` or
+    ``reshard_to``): its row is not run and records the reason as expected.
     """
 
     name: str
@@ -103,20 +115,32 @@ class ModeSpec:
     short_what: str | None = None  # ``what`` in the plot's legend, if shorter
     fsdp2_only: bool = False
     node_groups: bool = False
+    not_applicable: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        crashes = {**self.not_applicable, **self.expected_crash}
         if self.fsdp2_only:
-            object.__setattr__(self, "expected_crash",
-                               {**_fsdp2_only(self.name), **self.expected_crash})
+            crashes = {**_fsdp2_only(self.name), **crashes}
+        object.__setattr__(self, "expected_crash", crashes)
 
     def applies_to(self, backend: str) -> bool:
-        """False for an FSDP2-only mode on another backend (its row is n/a there)."""
-        return not self.fsdp2_only or backend == "fsdp2"
+        """False for an FSDP2-only mode on another backend, or a mode ``not_applicable``
+        on ``backend`` (its row is n/a there)."""
+        return backend not in self.not_applicable and (not self.fsdp2_only or backend == "fsdp2")
+
+    def bound_on(self, backend: str) -> Bound | None:
+        """``bound``; on DDP, where nothing is kept, the block's reduction copies."""
+        return _ddp_bound if backend == "ddp" and self.bound is not None else self.bound
 
 
 def _fsdp2_only(mode: str) -> dict[str, str]:
     why = f"{mode} calls FSDP2's own methods (FSDPModule): an FSDP2-only mode"
-    return {"fsdp1": why, "deepspeed": why}
+    return {"fsdp1": why, "deepspeed": why, "ddp": why}
+
+
+# On DDP every rank holds the whole model: nothing to keep, re-gather or reshard.
+_NOTHING_SHARDED = ("DDP shards nothing: keep_unsharded has no effect there (False and "
+                    "byte budgets behave as True), so this row would repeat keep's; not run")
 
 
 MODES: dict[str, ModeSpec] = {
@@ -132,6 +156,11 @@ MODES: dict[str, ModeSpec] = {
                      "deepspeed": "plain ZeRO-3 releases the parameters the retained graph "
                                   "still uses after backward 1 (size of tensor a (0)); the "
                                   "crash the library removes",
+                     "ddp": "plain DDP runs but is silently wrong: it all-reduces only the "
+                            "first backward over a forward (pytorch #47260), so backward 2's "
+                            "gradients stay local to each rank and the ranks' gradients "
+                            "disagree (the replica check fails); the error the library "
+                            "removes, not an alternative",
                  }),
         ModeSpec("keep", "the library, keep_unsharded=True",
                  block=dict(keep_unsharded=True), sync_grads=("every", "last"),
@@ -145,7 +174,7 @@ MODES: dict[str, ModeSpec] = {
                  sync_grads=("every", "last"), bound=_keep_bound),
         ModeSpec("regather", "the library, keep_unsharded=False",
                  block=dict(keep_unsharded=False), sync_grads=("every", "last"),
-                 bound=_regather_bound),
+                 bound=_regather_bound, not_applicable={"ddp": _NOTHING_SHARDED}),
         ModeSpec("regather_node", "the library, keep_unsharded=False, reshard_to=<--node-size>: "
                  "between passes each unit is resharded to the ranks of one node, so the "
                  "later passes all-gather inside the node",
@@ -154,12 +183,16 @@ MODES: dict[str, ModeSpec] = {
                  expected_crash={backend: "reshard_to needs FSDP2 (fully_shard): the library "
                                  "refuses it on " + name
                                  for backend, name in (("fsdp1", "FSDP1"),
-                                                       ("deepspeed", "ZeRO-3"))}),
+                                                       ("deepspeed", "ZeRO-3"))},
+                 not_applicable={"ddp": "DDP shards nothing: the library refuses reshard_to "
+                                        "there, and keep_unsharded=False behaves as True; "
+                                        "not run"}),
         *(
             ModeSpec(f"keep{pct}", f"the library, keep_unsharded=<{pct}% of the unsharded "
                      "parameter bytes> (a byte budget: the units nearest the output kept)",
                      block={}, sync_grads=("every", "last"),
-                     bound=_budget_bound(pct / 100), budget=pct / 100)
+                     bound=_budget_bound(pct / 100), budget=pct / 100,
+                     not_applicable={"ddp": _NOTHING_SHARDED})
             for pct in (25, 50, 75)
         ),
         ModeSpec("fsdp2_recipe", "FSDP2 alone, the recipe of pytorch #172543: "

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ._deps import install_hint
-from ._modes import KEEP_SLACK_TEXT, REGATHER_SLACK_TEXT, mode_legend
+from ._modes import KEEP_SLACK_TEXT, MODES, REGATHER_SLACK_TEXT, mode_legend
 from ._rows import BREAKDOWN_KEYS, Report, ReportRow
 
 __all__ = ["render_fit_table", "render_markdown", "write_figures", "write_report"]
@@ -29,6 +29,17 @@ def _num(value: float | None, fmt: str = "{:.1f}") -> str:
 
 def _share(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def not_applicable(row: ReportRow) -> bool:
+    """The row's mode means nothing on its backend (``ModeSpec.not_applicable``): not run."""
+    spec = MODES.get(row.mode)
+    return spec is not None and row.backend in spec.not_applicable
+
+
+def silently_wrong(row: ReportRow) -> bool:
+    """The row ran but left different gradients on the ranks (plain DDP's ``naive``)."""
+    return not row.ok and "ReplicasDisagree" in (row.error or "")
 
 
 def _mode_cell(row: ReportRow) -> str:
@@ -69,6 +80,15 @@ def _header(cfg: dict, unit: str, size: int) -> list[str]:
          "all-gather fetches a small model per forward. The breakdown does not separate its "
          "parameters (the peak does count them)."]
         if "deepspeed" in cfg.get("backends", ()) else []
+    ) + (
+        ["- ddp: `DistributedDataParallel` of the whole model (" + ", ".join(
+            f"{k}={v}" for k, v in (cfg.get("ddp") or {}).items()) + "; `fsdp_units` in report.json: its "
+         "buckets). Nothing is sharded: every rank holds the whole model and its gradients "
+         "(`sharded params` in the breakdown), so the modes that only change "
+         "`keep_unsharded` or `reshard_to` are n/a, and a step's all-reduces are one per "
+         "bucket per reduction. Each mode's step is checked to leave the same gradients on "
+         "every rank: plain DDP's `naive` fails that check."]
+        if "ddp" in cfg.get("backends", ()) else []
     )
 
 
@@ -97,7 +117,7 @@ def _group_table(rows: list[ReportRow], node_size: int | None) -> list[str]:
     """All-gathers per step, and those after the first backward by the ranks of their
     group (the whole world or a node), with the bytes that leave a node."""
     counted = [r for r in rows if r.all_gather_bytes_by_group is not None]
-    if not counted:
+    if not any(r.all_gathers_per_step for r in counted):  # none at all (DDP)
         return []
     largest = max((r.all_gather_bytes_per_step or 0 for r in counted), default=0)
     unit, size = next(((n, s) for n, s in _UNITS if largest >= 10 * s), ("KiB", 2**10))
@@ -133,7 +153,8 @@ def _memory_table(rows: list[ReportRow], unit: str, size: int) -> list[str]:
     for row in rows:
         cells = [row.backend, _mode_cell(row)]
         if not row.ok:
-            what = "expected crash" if row.expected_error else "error"
+            what = ("n/a" if not_applicable(row) else "wrong gradients" if silently_wrong(row)
+                    else "expected crash" if row.expected_error else "error")
             cells += [f"{what} (see below)"] + [""] * (3 + len(BREAKDOWN_KEYS))
         else:
             breakdown = row.breakdown or {}
@@ -149,12 +170,15 @@ def _memory_table(rows: list[ReportRow], unit: str, size: int) -> list[str]:
 
 
 def _time_table(rows: list[ReportRow]) -> list[str]:
+    # All-reduces (DDP's gradients) get a column where a row has any.
+    all_reduces = any(r.all_reduces_per_step for r in rows)
     lines = [
         "## Time and communication (per step)",
         "",
         "| backend | mode | step (ms) | vs two_forward | saved (ms) | share of ideal saving "
-        "| all-gathers | all-gather MiB | prefetched | reduce-scatters | reduce-scatter MiB |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| all-gathers | all-gather MiB | prefetched | reduce-scatters | reduce-scatter MiB |"
+        + (" all-reduces |" if all_reduces else ""),
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if all_reduces else ""),
     ]
     for row in rows:
         if row.mode == "two_forward":
@@ -167,7 +191,7 @@ def _time_table(rows: list[ReportRow]) -> list[str]:
             _num(row.all_gathers_per_step, "{}"), _mib(row.all_gather_bytes_per_step),
             _prefetched(row.prefetched_all_gathers),
             _num(row.reduce_scatters_per_step, "{}"), _mib(row.reduce_scatter_bytes_per_step),
-        ]
+        ] + ([_num(row.all_reduces_per_step, "{}")] if all_reduces else [])
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -253,7 +277,12 @@ def render_markdown(report: Report) -> str:
     if failed:
         lines += ["", "## Errors", ""]
         for r in failed:
-            if r.expected_error:
+            if not_applicable(r):
+                lines.append(f"- {r.backend} {_mode_cell(r)}: n/a: {r.expected_error}.")
+            elif r.expected_error and silently_wrong(r):
+                lines.append(f"- {r.backend} {_mode_cell(r)}: wrong gradients, as expected: "
+                             f"{r.expected_error}. Recorded: `{r.error}`")
+            elif r.expected_error:
                 where = (" Under fake tensors it surfaces as a different error."
                          if cfg["simulated"] else "")
                 lines.append(f"- {r.backend} {_mode_cell(r)}: the expected crash: "
@@ -284,7 +313,14 @@ def _notes(cfg: dict, rows: list[ReportRow]) -> list[str]:
         "and as much again, at most, for the all-gather input of a unit re-gathered from "
         "it).",
     ]
-    if any(r.all_gather_bytes_by_group is not None for r in rows):
+    if any(r.backend == "ddp" for r in rows):
+        notes.append(
+            "- On DDP nothing is kept (every rank holds the whole model and its gradients in "
+            f"every mode): the library's rows may add the block's flat copy of the gradients "
+            f"it all-reduces, the unsharded grads {KEEP_SLACK_TEXT}. `two_forward` all-reduces "
+            "each bucket once per backward, `keep:every` once per pass, `keep:last` once per "
+            "step.")
+    if any(r.all_gathers_per_step for r in rows if r.all_gather_bytes_by_group is not None):
         notes.append(
             "- All-gathers by group: bytes of each all-gather's output (per rank) under "
             "`CommDebugMode`, by the ranks of the process group that issued it. Between "
@@ -333,7 +369,8 @@ def render_fit_table(report: Report) -> str:
         if row is None:
             return ""
         if not row.ok:
-            return "crashes (expected)" if row.expected_error else "error"
+            return ("n/a" if not_applicable(row) else "wrong (expected)" if silently_wrong(row)
+                    else "crashes (expected)" if row.expected_error else "error")
         change = row.memory_overhead_bytes
         assert row.peak_bytes is not None, row  # measured in every row that ran
         peak = _num(row.peak_bytes / size)

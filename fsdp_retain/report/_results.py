@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ._config import ReportConfig
+from ._ddp import ddp_setup
 from ._modes import BACKWARDS, MODES, RECIPE
 from ._output import render_fit_table, write_report
 from ._rows import Report, ReportRow
@@ -109,9 +110,10 @@ def memory_bound(row: ReportRow, baseline_peak: int,
     ``keep``: ``1 + KEEP_SLACK`` times the unsharded parameters of all units
     (kept from forward to the last backward), with ``sync_grads="last"`` and their
     unsharded gradients, which wait for the last backward. ``regather``:
-    ``REGATHER_SLACK`` times the ``two_forward`` peak. See ``ModeSpec.bound`` in ``_modes.py``.
+    ``REGATHER_SLACK`` times the ``two_forward`` peak. On DDP (nothing kept): the block's
+    flat copy of the gradients it all-reduces. See ``ModeSpec.bound`` in ``_modes.py``.
     """
-    bound = MODES[row.mode].bound
+    bound = MODES[row.mode].bound_on(row.backend)
     if bound is None:
         return None, ""
     return bound(row.sync_grads, baseline_peak, unsharded_bytes, row.reshard_to)
@@ -241,6 +243,7 @@ def config_dict(cfg: ReportConfig, world: int, meta: dict, device) -> dict[str, 
         "param_count": meta.get("param_count"),
         "unsharded_param_bytes": meta.get("unsharded_param_bytes"),
         "unit_bytes": meta.get("unit_bytes"),
+        **({"ddp": ddp_setup(cfg.ddp_bucket_cap_mb)} if "ddp" in cfg.backends else {}),
         "activation_checkpointing": cfg.activation_checkpointing,
         "backwards_per_step": BACKWARDS,
         "warmup_steps": cfg.warmup,

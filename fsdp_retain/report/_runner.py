@@ -24,6 +24,7 @@ from ._prefetch import PrefetchTimeline
 from ._step import train_step
 
 TRACEBACKS_ENV = "FSDP_RETAIN_REPORT_TRACEBACKS"  # set to print each failure's traceback
+NOT_APPLICABLE = "n/a"  # the error of a row whose mode is not applicable on its backend
 _start = time.monotonic()  # system-wide on Linux: child processes may share it
 
 
@@ -115,8 +116,10 @@ class BackendRun:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(self.device.type, (self.world,))
-        self.model = wrap(model, self.backend, self.device, mesh)
-        self.meta["fsdp_units"] = fsdp_units(self.model, self.backend)
+        self.model = wrap(model, self.backend, self.device, mesh,
+                          bucket_cap_mb=self.cfg.ddp_bucket_cap_mb)
+        if self.backend != "ddp":  # DDP's buckets are counted after a step (``count``)
+            self.meta["fsdp_units"] = fsdp_units(self.model, self.backend)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-5)
 
     @property
@@ -158,13 +161,21 @@ class BackendRun:
                 self.results[mode.label]["error"] = f"setup: {error}"
             self.log(f"setup FAILED: {error}")
             return
-        self.log(
-            f"{self.meta['fsdp_units']} FSDP units, {self.meta['param_count'] / 1e6:.1f}M params, "
-            f"world size {self.world}"
-        )
+        units = ("DDP (nothing sharded)" if self.backend == "ddp"
+                 else f"{self.meta['fsdp_units']} FSDP units")
+        self.log(f"{units}, {self.meta['param_count'] / 1e6:.1f}M params, world size {self.world}")
         for mode in self.modes:
+            why = mode.spec.not_applicable.get(self.backend)
+            if why is not None:
+                self.results[mode.label]["error"] = f"{NOT_APPLICABLE} on {self.backend}: not run"
+                self.log(f"{mode.label}: n/a ({why})")
+        for mode in self.ok_modes():
             self.log(f"{mode.label}: {self.cfg.warmup} warm-up step(s)")
-            self.guarded(mode, "warm-up", partial(self.steps, mode, max(self.cfg.warmup, 1)))
+            if not self.guarded(mode, "warm-up",
+                                partial(self.steps, mode, max(self.cfg.warmup, 1))):
+                continue
+            if self.backend == "ddp":
+                self.guarded(mode, "replica check", partial(self.check_replicas, mode))
         self.time_modes()
         for mode in self.ok_modes():
             self.log(f"{mode.label}: counting collectives")
@@ -176,6 +187,13 @@ class BackendRun:
     def steps(self, mode: Mode, n: int) -> None:
         for _ in range(n):
             train_step(self.model, self.optimizer, self.batch, mode, unsharded_bytes=self.unsharded)
+
+    def check_replicas(self, mode: Mode) -> None:
+        """DDP: one step whose gradients must be the same on every rank (``ReplicaCheck``)."""
+        from ._ddp import ReplicaCheck
+
+        train_step(self.model, ReplicaCheck(self.optimizer, self.model), self.batch, mode,
+                   unsharded_bytes=self.unsharded)
 
     def time_modes(self) -> None:
         """Round-robin over the modes so that load changes hit all of them alike."""
@@ -228,12 +246,14 @@ class BackendRun:
         # Which backward all-gathers were prefetched (FSDP on real ranks only).
         timeline = (
             PrefetchTimeline(self.model, decoder_layers(self.model))
-            if self.backend != "deepspeed" and self.cfg.simulate_world_size is None
+            if self.backend in ("fsdp1", "fsdp2") and self.cfg.simulate_world_size is None
             else None
         )
         hooks = CountHooks(timeline)
         with timeline.recording() if timeline is not None else contextlib.nullcontext():
             train_step(self.model, self.optimizer, self.batch, mode, hooks, self.unsharded)
+        if self.backend == "ddp":  # rebuilt by bucket_cap_mb after DDP's first synced step
+            self.meta["fsdp_units"] = fsdp_units(self.model, self.backend)
         self.keep_counts(mode, hooks)
         if timeline is not None:
             self.results[mode.label]["prefetch"] = timeline.counts()

@@ -1,0 +1,104 @@
+"""DDP's buckets, reduced by the block after a pass: DDP's layout, DDP's comm hook.
+
+Part of the DDP backend with ``_block.py`` (private DDP access).
+
+[Note: how the block reduces DDP gradients]
+DDP's reducer all-reduces from autograd hooks it arms once per forward
+(``prepare_for_backward``), so only the first backward over a forward is
+reduced; later passes over a retained graph accumulate local gradients that no
+rank ever averages (pytorch/pytorch#47260). Inside the block the forward arms
+nothing (``require_backward_grad_sync`` off, as ``no_sync()`` does) and the
+block reduces itself when the policy says a pass reduces: the reducer's own
+buckets (``_get_zeros_like_grad_buckets``, in DDP's order and size) are filled
+from ``.grad`` and handed to the reducer's comm hook (``_run_comm_hook``: the
+one ``register_comm_hook`` installed, fp16/bf16 compression included, or a sum
+all-reduce, after which the block divides by the world size as DDP does). One
+collective per bucket per reduction; all of them are launched before the first
+is waited on. The buckets' buffers live only during the reduction (one
+gradient-size buffer, as DDP's own bucket buffers outside the block).
+
+What is reduced is the accumulated ``.grad``, not only the pass's part: the part
+reduced before is the same on every rank, so averaging it again leaves it as it
+is (``mean(R + g_r) = R + mean(g_r)``), as DDP's own reduction after ``no_sync``
+micro-batches does. A parameter with no gradient counts as zeros; where DDP
+tracks unused parameters (``find_unused_parameters`` or ``static_graph``) one
+all-reduce of a used-map first tells which ones no rank used, and those keep
+``.grad`` as it was (``None``), as in DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._common import RetainError, require_attr
+
+FLAVOUR = "DDP"
+
+
+class Buckets:
+    """The reduction of one DDP model's gradients, bucket by bucket."""
+
+    def __init__(self, ddp: Any) -> None:
+        self._reducer = require_attr(ddp, "reducer", FLAVOUR)
+        for name in ("_get_zeros_like_grad_buckets", "_run_comm_hook"):
+            require_attr(self._reducer, name, FLAVOUR)
+        self._group = ddp.process_group
+        self._world = dist.get_world_size(self._group)
+        logging = require_attr(ddp, "_get_ddp_logging_data", FLAVOUR)()
+        # Without a comm hook the reducer's hook sums; DDP divides before it.
+        self._divide = not logging.get("comm_hook")
+        self._track_unused = bool(ddp.find_unused_parameters or ddp.static_graph)
+        # What DDP reduces: its parameters that require grad, less parameters_to_ignore.
+        managed = require_attr(ddp, "_module_parameters", FLAVOUR)
+        self.params: list[torch.Tensor] = [p for p in managed if p.requires_grad]
+
+    def reduce(self) -> int:
+        """All-reduces every bucket into ``.grad``; returns the collectives launched."""
+        with torch.no_grad():
+            used = self._used_anywhere()
+            launched = []
+            for bucket in self._reducer._get_zeros_like_grad_buckets():
+                params = bucket.parameters()
+                flat = torch.cat([_flat_grad(p, bucket.buffer().dtype) for p in params])
+                if self._divide:
+                    flat.div_(self._world)
+                bucket.set_buffer(flat)
+                launched.append((params, self._reducer._run_comm_hook(bucket)))
+            for params, future in launched:
+                result = future.wait()
+                self._write(params, result[0] if isinstance(result, list) else result, used)
+        return len(launched) + (used is not None)
+
+    def _used_anywhere(self) -> set[int] | None:
+        """``id``s of the parameters some rank has a gradient for; ``None``: all."""
+        if not self._track_unused:
+            return None
+        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32)
+        dist.all_reduce(used, group=self._group)
+        return {id(p) for p, n in zip(self.params, used.tolist()) if n}
+
+    @staticmethod
+    def _write(params: list[torch.Tensor], flat: torch.Tensor, used: set[int] | None) -> None:
+        offset = 0
+        for param in params:
+            value = flat[offset:offset + param.numel()].view_as(param)
+            offset += param.numel()
+            if param.grad is not None:
+                param.grad.copy_(value)
+            elif used is None or id(param) in used:
+                param.grad = value.to(param.dtype).clone()
+
+
+def _flat_grad(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    grad = param.grad
+    if grad is None:
+        return torch.zeros(param.numel(), dtype=dtype, device=param.device)
+    if grad.is_sparse:
+        raise RetainError(
+            "no_reshard_between_backwards does not reduce sparse DDP gradients "
+            "(an nn.Embedding(..., sparse=True)): use sparse=False inside the block."
+        )
+    return grad.reshape(-1).to(dtype)

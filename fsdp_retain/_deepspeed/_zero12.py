@@ -1,0 +1,221 @@
+"""DeepSpeed ZeRO stages 0, 1 and 2. All private DeepSpeed access lives in this package.
+
+[Note: ZeRO stages 0-2 in the block]
+Stages 0-2 never shard parameters, so a retained graph's saved tensors stay valid;
+what goes wrong is the gradients. ZeRO-1 and ZeRO-2 reduce from each parameter's
+``AccumulateGrad`` hook into a bucket, and the engine's backward epilogue turns the
+reduced partition into the step's gradient (``averaged_gradients``) at the
+accumulation boundary, from the last backward alone: over one forward,
+``engine.backward(l1, retain_graph=True); engine.backward(l2)`` steps on ``l2``'s
+gradient only (``loss.backward()`` fails or is as wrong; gradient accumulation and a
+cached loss's replays fail on "Gradient computed twice for this partition"). ZeRO-0
+all-reduces every pass's ``.grad`` at the boundary, which is right for
+``engine.backward``, but not for ``loss.backward()`` (DeepSpeed refuses it there) or a
+probe pass.
+
+So while the block is installed DeepSpeed reduces nothing by itself: the engine's
+``_backward_prologue`` and ``_backward_epilogue`` are shadowed by the block's
+(``_prologue_from_output_hook``, a no-op epilogue), and the hooks of ZeRO-1/2 hold
+(``_coalesce_grad_reduction``). Each pass accumulates its local gradient into ``.grad``
+and the block reduces (``_zero12_reduce.Reducer.flush``): at the end of every pass
+(``sync_grads="every"``), or once, at the end of pass ``backwards`` or at the block
+exit (``"last"``). On ZeRO-1/2 a flush is one micro-step of DeepSpeed's own gradient
+accumulation, off the boundary (the reduced partition adds to the step's sum); at the
+exit of a block at the boundary the block finalizes that sum as the step reads it. On
+ZeRO-0 a flush all-reduces ``.grad`` (averaging is linear, so it may run per pass).
+``keep_unsharded`` changes nothing here; ``reshard_to`` is refused.
+
+A pass starts (``on_backward_start``) when it reaches a parameter's ``AccumulateGrad``
+node, the engine output or a probe target; a cached loss's replay, a pass nested in
+another model's backward, starts from the engine output's hook, as on ZeRO-3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
+
+from .. import _pass_start
+from .._common import RetainError, eager_modules, grad_tensors, queue_callback, require_attr
+from .._lifecycle import BlockBase
+from .._loss_grads import GradSlots
+from .._policy import RetainOptions
+from ._engine import UNSCALED, check_engine_common, flavour, step_inside_block, zero_stage
+from ._zero12_reduce import FullGradSlots, Reducer, Zero0Reducer
+
+_SHADOWED = ("_backward_prologue", "_backward_epilogue", "step")
+
+FP16_LOSS_BACKWARD = (
+    "no_reshard_between_backwards on DeepSpeed ZeRO-{stage} with fp16: this pass is a "
+    "loss.backward(), which skips DeepSpeed's loss scaling (its gradients would be off by "
+    "the loss scale, or overflow unseen). Use engine.backward(loss), which scales the "
+    "loss, or engine.scale(loss).backward()."
+)
+
+
+def check_zero12(engine: Any, options: RetainOptions) -> int:
+    """The stage; ``ValueError`` for what the stage 0-2 block does not handle."""
+    stage = zero_stage(engine)
+    if stage not in (0, 1, 2):
+        raise ValueError(f"DeepSpeedZero12Block handles ZeRO stages 0-2, got stage {stage}")
+    if options.reshard_to is not None:
+        raise ValueError(
+            f"no_reshard_between_backwards(reshard_to={options.reshard_to}) has no meaning "
+            f"on DeepSpeed ZeRO-{stage}: stages 0-2 never shard parameters, so no pass "
+            "re-gathers them. Drop reshard_to (or use ZeRO-3 with zero_hpz_partition_size)."
+        )
+    check_engine_common(engine, stage)
+    if engine.optimizer is None or type(engine.optimizer).__name__ == "DummyOptim":
+        raise ValueError(
+            "no_reshard_between_backwards needs the engine's optimizer; pass an optimizer "
+            "(or an optimizer config) to deepspeed.initialize."
+        )
+    if stage == 0 and (engine.fp16_enabled() or engine.bfloat16_enabled()):
+        raise ValueError(
+            "no_reshard_between_backwards on DeepSpeed ZeRO stage 0 supports fp32 training "
+            "only: fp16 and bf16 there use DeepSpeed's FP16/BF16 optimizer wrappers, whose "
+            "gradients over several passes fsdp_retain has not verified. Set "
+            "zero_optimization.stage to 1 or 2 (same parameters, partitioned optimizer "
+            "state), or train in fp32 on stage 0."
+        )
+    if stage > 0 and not hasattr(engine.optimizer, "_coalesce_grad_reduction"):
+        raise ValueError(
+            f"no_reshard_between_backwards needs DeepSpeed's ZeRO-{stage} optimizer, got "
+            f"{type(engine.optimizer).__name__}; pass a torch optimizer to deepspeed.initialize."
+        )
+    return stage
+
+
+class DeepSpeedZero12Block(BlockBase):
+    """One ``no_reshard_between_backwards`` block on a ZeRO stage 0, 1 or 2 engine;
+    see [Note: ZeRO stages 0-2 in the block]."""
+
+    def __init__(self, engine: Any, options: RetainOptions) -> None:
+        self.stage = check_zero12(engine, options)
+        super().__init__(engine, options)
+        self._all_kept = True  # nothing is ever sharded: create_graph=True passes work
+        self._flavour = flavour(self.stage)
+        self._root: nn.Module = require_attr(engine, "module", self._flavour)
+        self._reducer = Zero0Reducer(engine) if self.stage == 0 else Reducer(engine)
+        self._hooks: list[Any] = []
+        self._outputs: list[Any] = []  # grad_fn of the block's forwards' outputs
+        self._acc_nodes: list[Any] = []  # the parameters' AccumulateGrad nodes
+        self._prologue: Any = None
+        self._pending = False  # local gradients not reduced yet
+        self._grads_pass = False  # a block.grads pass runs: FullGradSlots reduces it
+
+    # Entering and leaving (see BlockBase) #
+    def _root_decided(self) -> bool:
+        return True
+
+    def _init_root(self) -> None:
+        raise AssertionError("a DeepSpeed engine is set up by deepspeed.initialize")
+
+    def _install(self) -> None:
+        for name in _SHADOWED:
+            require_attr(self.model, name, self._flavour)
+        require_attr(self.model, "_running_engine_backward", self._flavour)
+        self._installed = True
+        self._reducer.install()
+        self._prologue = self.model._backward_prologue
+        self.model._backward_prologue = self._prologue_from_output_hook
+        self.model._backward_epilogue = _no_epilogue
+        self.model.step = step_inside_block
+        # Held, a parameter's node is the one every graph of the block uses.
+        self._acc_nodes = [get_gradient_edge(p).node for p in self._reducer.params()]
+        self._hooks.append(self._root.register_forward_hook(self._record_outputs))
+        for module in eager_modules(self._root):
+            if any(True for _ in module.parameters(recurse=False)):
+                self._hooks.append(self.probe_targets.hook_unit(module))
+        self._hooks.extend(self.probe_targets.hook_sources(self._root))
+        self._watch()
+
+    def _uninstall(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._outputs.clear()
+        self._acc_nodes.clear()
+        for name in _SHADOWED:
+            self.model.__dict__.pop(name, None)
+        if self._installed:
+            self._reducer.uninstall()
+        self._release_model()
+
+    def _finish(self) -> None:
+        self.tracker.warn_if_short()
+        if self._pending or self._reducer.holds():
+            self._flush()
+        if self.model.is_gradient_accumulation_boundary():
+            self._reducer.finish_step()
+
+    def _abort(self) -> None:
+        """Exception exit: drop what no pass reduced yet, no collectives."""
+        if self._pending or self._reducer.holds():
+            self._reducer.abort()
+        self._pending = False
+
+    def _flush(self) -> None:
+        self._pending = False
+        self._reducer.flush()
+
+    # See [Note: per-loss gradients] in _loss_grads.py.
+    def _check_grads(self) -> None:
+        if self.model.fp16_enabled():
+            raise ValueError(
+                "block.grads() on DeepSpeed needs bf16 or fp32 training: with fp16 the "
+                "loss scale would be in the gradients it returns. Use \"bf16\": "
+                "{\"enabled\": true} in the DeepSpeed config."
+            )
+
+    def _make_grad_slots(self) -> GradSlots:
+        group = getattr(self.model.optimizer, "dp_process_group", None)  # stage 0: all ranks
+        return FullGradSlots(self, self._reducer.params(), group)
+
+    # Pass boundaries #
+    def _record_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and not self._in_backward():
+            self._outputs.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
+
+    def on_backward_start(self) -> None:
+        """Inside every backward, before its first node runs (see ``_pass_start``)."""
+        run = _pass_start.will_run
+        reaches_output = any(map(run, self._outputs))
+        targets = (edge.node for edge in self.probe_targets.edges.values())
+        if not (reaches_output or any(map(run, self._acc_nodes)) or any(map(run, targets))):
+            return  # another model's backward
+        self._begin(reaches_output)
+
+    def _prologue_from_output_hook(self) -> None:
+        """The engine's ``_backward_prologue`` while the block is installed: DeepSpeed
+        calls it from a once-per-forward hook on the engine output. A no-op, except
+        for a pass the block did not start: one nested in another model's backward
+        (a cached loss's replay from a hook on its loss), which starts here."""
+        if self.nested.outside_block_pass and not self.tracker.in_backward:
+            self._begin(reaches_output=True)
+
+    def _begin(self, reaches_output: bool) -> None:
+        engine_backward = bool(self.model._running_engine_backward)
+        if not (self.probing or engine_backward or self._grads_pass):
+            if self.model.fp16_enabled():
+                raise RetainError(FP16_LOSS_BACKWARD.format(stage=self.stage))
+            gas = int(self.model.gradient_accumulation_steps())
+            if gas > 1 and not reaches_output:
+                raise RetainError(UNSCALED.format(gas=gas))
+        index = self._start_pass()
+        reduces = self.policy.reduces(index, probing=self.probing) and not self._grads_pass
+        holds = not (self.probing or self._grads_pass)
+        queue_callback(lambda: self._end_of_pass(reduces, holds))
+
+    def _end_of_pass(self, reduces: bool, holds: bool) -> None:
+        self._end_pass()
+        self._pending = self._pending or holds
+        if reduces and self._pending:
+            self._flush()
+
+
+def _no_epilogue() -> None:
+    """Stands in for the engine's ``_backward_epilogue`` in the block: it reduces."""
