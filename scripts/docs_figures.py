@@ -413,7 +413,15 @@ def compat_rows() -> str:
     return "\n".join(lines) + "\n"
 
 
+def command_output(path: str) -> str:
+    """A committed command's output (``fit``'s answer, a ``farm-bench`` timing), the command
+    in its first line after ``$``, as a code block; ARGS: the file."""
+    text = (ROOT / path).read_text()
+    return "```\n" + text.rstrip("\n") + "\n```\n"
+
+
 TABLES: dict[str, Callable[..., str]] = {
+    "output": command_output,
     "cost-table": cost_table,
     "fit-peaks": fit_peaks,
     "model-peaks": model_peaks,
@@ -471,6 +479,7 @@ GENERATED_PAGES = [
     "docs/report/*report.md",        # python -m fsdp_retain.report, from its report.json
     "docs/report/*/budget_fit.md",   # the report's --gpu-memory table
     "docs/report/will_it_fit.md",    # python -m fsdp_retain.report.figures
+    "docs/report/fit/*/*.txt",       # a command's output: fit's answer, a timing
 ]
 
 # Figure-like numbers with no committed source: (page, the text around them, why).

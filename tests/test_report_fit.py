@@ -209,3 +209,97 @@ def test_calibrate_prints_one_line_of_seconds(capsys):
     match = re.fullmatch(r"calibration: python (\S+) s, torch (\S+) s \(one thread; .*\)", out[0])
     assert match, out
     assert all(0 < float(v) < 60 for v in match.groups())
+
+
+# --node-size #
+
+NODE_FLAGS = ["--world-size", "4", "--node-size", "2", "--batch", "2", "--seq-len", "64",
+              "--jobs", "2"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--world-size", "4", "--node-size", "1"], "--node-size 1: pass the ranks of one node"),
+    (["--world-size", "6", "--node-size", "4"], "--node-size 4 does not divide --world-size 6"),
+    (["--world-size", "4", "--node-size", "4"], "is not smaller than --world-size 4"),
+    (["--world-size", "4", "--node-size", "2", "--backend", "fsdp1"],
+     "On FSDP1, shard over one node with HYBRID_SHARD"),
+], ids=["one", "not_dividing", "whole_world", "fsdp1"])
+def test_fit_node_size_usage_errors(config, flags, message, capsys):
+    """A bad --node-size is a usage error (exit 2) naming the fix, before any simulation."""
+    from fsdp_retain.report import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--model-config", str(config), "--gpu-memory", "1GiB", *flags])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_fit_node_size_recommends_node_groups_matching_the_report(config, capsys):
+    """fit --node-size 2 on 4 simulated ranks, the GPU memory between the peaks of False and
+    True: it recommends a budget with reshard_to=2 whose peak is the report's simulated row
+    for that option byte for byte, with no inter-node all-gather between passes (the row's
+    own count) and at least the all-gathers saved of keep_unsharded=False, reshard_to=2;
+    the plain budget is shown beside it, on both the table and the Paste: lines."""
+    from fsdp_retain.report import main
+    from fsdp_retain.report._simulate import _simulate_backend
+
+    base = dict(model_config=str(config), simulate_world_size=4, backends=("fsdp2",),
+                batch=2, seq_len=64, node_size=2)
+    option_rows, _ = _simulate_backend(ReportConfig(
+        **base, modes=("two_forward", "keep:every", "regather:every", "regather_node:every")),
+        "fsdp2")
+    rows = {r.label: r for r in option_rows}
+    keep, regather = rows["keep:every"].peak_bytes, rows["regather_node:every"].peak_bytes
+    assert keep > regather
+    gpu = regather + (keep - regather) * 2 // 3
+    assert main(["fit", "--model-config", str(config), "--gpu-memory", str(gpu),
+                 *NODE_FLAGS]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"^Recommended with 2 ranks per node: keep_unsharded=(\d+), reshard_to=2$"
+                      r"\n  peak .* \((\d+) bytes\).*: (\d+) all-gathers per step \((\d+) "
+                      r"intra-node, (\d+) inter-node\), no inter-node .* saves (\d+) ", out, re.M)
+    assert found, out
+    budget, peak, gathers, intra, inter, saved = map(int, found.groups())
+    assert saved >= 0 and peak <= gpu
+    assert f"Paste: no_reshard_between_backwards(model, keep_unsharded={budget}, reshard_to=2)" in out
+    assert re.search(r"^   or: no_reshard_between_backwards\(model, keep_unsharded=\d+\)$", out,
+                     re.M), out
+    option = f"keep_unsharded={budget},reshard_to=2:every"
+    (_, row), _ = _simulate_backend(ReportConfig(**base, modes=("two_forward", option)), "fsdp2")
+    assert row.ok, row.error
+    assert row.peak_bytes == peak, (row.peak_bytes, peak)
+    assert row.inter_node_all_gather_bytes_between_passes == 0, row
+    assert row.all_gathers_per_step == gathers == intra + inter, (row.all_gathers_per_step, out)
+    assert set(row.all_gather_bytes_between_passes) == {"2"}, row  # later passes: in the node
+    shown = f"| keep_unsharded=False, reshard_to=2 | {human_bytes(regather)} |"
+    assert shown in out, out
+
+
+@pytest.mark.parametrize("run", ["llama3_70b_64", "llama3_70b_8"])
+def test_keeping_more_never_lowers_the_peak_on_the_committed_70b_runs(run):
+    """fit's search assumes a budget that holds more between passes never peaks lower. On
+    the committed 70B runs, order the rows by the parameter bytes each rank holds between
+    passes (kept units whole, the others at 1/world, or 1/node for regather_node): the
+    peaks never fall."""
+    report = json.loads((ROOT / "docs/report/fit" / run / "report.json").read_text())
+    cfg = report["config"]
+    units, world, node = cfg["unit_bytes"], cfg["world_size"], cfg["node_size"]
+    total = sum(units)
+    held = []
+    for row in report["rows"]:
+        name = row["label"].partition(":")[0]
+        if not row["ok"] or name == "two_forward":
+            continue
+        if name == "regather_node":
+            nbytes = total / node
+        else:
+            budget = total if name == "keep" else (row["keep_unsharded"] or 0)
+            kept = kept_units_of(units, int(budget))
+            nbytes = sum(units[i] for i in kept) + sum(
+                n for i, n in enumerate(units) if i not in kept) / world
+        held.append((nbytes, row["peak_bytes"], row["label"]))
+    held.sort()
+    assert len(held) >= 5, held
+    for (_, low, a), (_, high, b) in zip(held, held[1:]):
+        assert high >= low, f"{b} holds more than {a} but peaks lower"

@@ -86,7 +86,8 @@ def test_deepspeed_engine_refused(monkeypatch):
     from fsdp_retain import no_reshard_between_backwards
 
     engine_module = types.ModuleType("deepspeed.runtime.engine")
-    engine_module.DeepSpeedEngine = type("DeepSpeedEngine", (), {})  # type: ignore[attr-defined]
+    engine_module.DeepSpeedEngine = type(  # type: ignore[attr-defined]
+        "DeepSpeedEngine", (), {"zero_optimization_stage": lambda self: 3})
     monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
     monkeypatch.setitem(sys.modules, "deepspeed.runtime.engine", engine_module)
     with pytest.raises(ValueError, match="got a DeepSpeed ZeRO-3 model.*zero_hpz_partition_size"):

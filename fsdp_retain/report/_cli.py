@@ -37,7 +37,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         "the modes that only change keep_unsharded or reshard_to are n/a)")
     parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES),
                         help=" ".join(mode_labels()) + " (regather_node: keep_unsharded=False "
-                        "with reshard_to=<--node-size>, FSDP2 only; needs --node-size)")
+                        "with reshard_to=<--node-size>, FSDP2 only; needs --node-size), or an "
+                        "option fit prints: keep_unsharded=<bytes>[,reshard_to=<N>]:every")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cpu: gloo; cuda: NCCL, one GPU per rank")
     parser.add_argument("--nproc", type=int, default=None,

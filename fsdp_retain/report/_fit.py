@@ -76,6 +76,21 @@ def all_gathers(units: list[int], budget: int, frees_after_forward: bool) -> int
     return n + (layers_not_kept if frees_after_forward else 0) + (BACKWARDS - 1) * (n - k)
 
 
+def gathers_by_node(units: list[int], budget: int, grouped: bool) -> tuple[int, int, int]:
+    """``(intra-node, inter-node all-gathers per step, inter-node all-gather bytes between
+    passes)`` with ``budget``, ``grouped``: ``reshard_to=<node size>``. The forward and pass 1
+    gather from every rank (inter-node, as ``all_gathers``); the later passes re-gather the
+    units not kept, inside the node where they were resharded to it. Bytes: each all-gather's
+    output (the unit's unsharded bytes), as the report's rows count them."""
+    kept = kept_units_of(units, budget)
+    total = all_gathers(units, budget, frees_after_forward=True)
+    later = (BACKWARDS - 1) * (len(units) - len(kept))
+    later_bytes = (BACKWARDS - 1) * sum(n for i, n in enumerate(units) if i not in kept)
+    if grouped:
+        return later, total - later, 0
+    return 0, total, later_bytes
+
+
 def render_budget_fit(report: dict[str, Any], gpu_memory: int) -> str:
     cfg, rows = report["config"], report["rows"]
     units = cfg.get("unit_bytes") or []

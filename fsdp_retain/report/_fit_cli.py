@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ._config import DIM_FLAGS, DTYPES, SIZES, ReportConfig
 from ._deps import MissingDependency, check_dependencies
-from ._fit import all_gathers, human_bytes, parse_bytes
+from ._fit import all_gathers, gathers_by_node, human_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from ._fit_sims import FitRun
@@ -59,6 +59,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         help="non-reentrant activation checkpointing on every decoder layer")
     parser.add_argument("--backend", default="fsdp2", choices=("fsdp2", "fsdp1"),
                         help="default: fsdp2 (fully_shard)")
+    parser.add_argument("--node-size", type=int, default=None, metavar="N",
+                        help="ranks per node: also search the budgets with reshard_to=N (the "
+                             "units not kept are resharded to one node between passes, so "
+                             "later passes all-gather inside it), and split all-gathers into "
+                             "intra- and inter-node (FSDP2)")
     parser.add_argument("--verbose", action="store_true",
                         help="also print this machine's calibration (its speed on a fixed "
                              "CPU workload), to compare the run time with another machine's")
@@ -104,7 +109,7 @@ def main(argv: list[str], *, prog: str = PROG) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     jobs = args.jobs or min(cpus or 1, 4)
     try:
-        found = run_fit(cfg, args.backend, gpu_memory, jobs, log)
+        found = run_fit(cfg, args.backend, gpu_memory, jobs, log, args.node_size)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -117,6 +122,7 @@ def _config(args: argparse.Namespace, argv: list[str],
             prog: str) -> tuple[ReportConfig, int]:
     if args.world_size < 1:
         raise ValueError(f"--world-size {args.world_size}: pass the number of ranks, 1 or more")
+    _check_node_size(args.node_size, args.world_size, args.backend)
     gpu_memory = parse_bytes(args.gpu_memory)
     if gpu_memory <= 0:
         raise ValueError(f"--gpu-memory {args.gpu_memory}: pass the memory of one GPU, e.g. 80GiB")
@@ -130,6 +136,26 @@ def _config(args: argparse.Namespace, argv: list[str],
     return cfg, gpu_memory
 
 
+def _check_node_size(node: int | None, world: int, backend: str) -> None:
+    if node is None:
+        return
+    if node < 2:
+        raise ValueError(f"--node-size {node}: pass the ranks of one node (2 or more, e.g. 8 "
+                         "GPUs per node), or drop --node-size on one node")
+    if world % node:
+        raise ValueError(f"--node-size {node} does not divide --world-size {world}: pass the "
+                         "ranks per node of a world made of whole nodes")
+    if node >= world:
+        raise ValueError(f"--node-size {node} is not smaller than --world-size {world}: every "
+                         "rank is in one node, so no all-gather leaves it; drop --node-size")
+    if backend != "fsdp2":
+        raise ValueError(f"--node-size with --backend {backend}: fit simulates FSDP1 with "
+                         "FULL_SHARD, which reshards a unit to every rank. On FSDP1, shard "
+                         "over one node with HYBRID_SHARD (a device_mesh whose shard dimension "
+                         f"has {node} ranks; the block then re-gathers inside it); to search "
+                         "budgets with reshard_to, use --backend fsdp2")
+
+
 def render(cfg: ReportConfig, backend: str, gpu_memory: int, found: FitRun) -> str:
     """The answer: the budget to paste, its peak and all-gathers, the other options."""
     meta, dims = found.meta, cfg.dims()
@@ -141,9 +167,11 @@ def render(cfg: ReportConfig, backend: str, gpu_memory: int, found: FitRun) -> s
         f"checkpointing, {backend.upper()} on {cfg.simulate_world_size} ranks, two backward "
         f"passes per step; GPU memory {human_bytes(gpu_memory)} per rank",
         "",
-        *_answer(found, gpu_memory),
+        *(_answer(found, gpu_memory) if found.node is None
+          else _node_answer(found, gpu_memory)),
         "",
-        *_table(found, gpu_memory),
+        *(_table(found, gpu_memory) if found.node is None
+          else _node_table(found, gpu_memory)),
         "",
         "Estimates (fake process group and fake tensors on this CPU): they leave out the CUDA "
         "context and allocator slack, a few GiB; the units are the report's, one per decoder "
@@ -207,3 +235,73 @@ def _table(found: FitRun, gpu_memory: int) -> list[str]:
                   "gradients of every unit until the last pass: simulated only where "
                   "keep_unsharded=True fits."]
     return lines
+
+
+def _node_answer(found: FitRun, gpu_memory: int) -> list[str]:
+    """``--node-size``: the option that fits with no inter-node re-gather between passes and
+    the most all-gathers saved (the largest budget with ``reshard_to``), the plain budget
+    beside it as the other trade-off."""
+    assert found.node is not None
+    node, units = found.node, found.meta["unit_bytes"]
+    grouped, plain = node.search.answer(), found.search.answer()
+    if plain is not None and plain >= found.search.total:
+        return _answer(found, gpu_memory)  # True fits: nothing is re-gathered at all
+    if grouped is None:
+        return [f"Nothing with reshard_to={node.node_size} fits: keep_unsharded=False, "
+                f"reshard_to={node.node_size} peaks at {human_bytes(node.peaks['False'])} per "
+                f"rank, over {human_bytes(gpu_memory)}. Without reshard_to:", "",
+                *_answer(found, gpu_memory)]
+    n = node.node_size
+    option = f"keep_unsharded={grouped}, reshard_to={n}"
+    peak = node.search.peak(grouped)
+    assert peak is not None
+    intra, inter, _ = gathers_by_node(units, grouped, grouped=True)
+    base_intra, base_inter, _ = gathers_by_node(units, 0, grouped=True)
+    kept = node.search.kept(grouped)
+    layers = f"{len(kept - {0})} of {len(units) - 1} decoder layers{' and the root' * (0 in kept)}"
+    lines = [
+        f"Recommended with {n} ranks per node: {option}",
+        f"  peak {human_bytes(peak)} per rank ({peak} bytes); keeps {layers} unsharded, "
+        f"reshards the others to one node between passes: {intra + inter} all-gathers per step "
+        f"({intra} intra-node, {inter} inter-node), no inter-node all-gather between passes; "
+        f"saves {base_intra + base_inter - intra - inter} all-gathers per step against "
+        f"keep_unsharded=False, reshard_to={n}",
+    ]
+    paste = [f"Paste: no_reshard_between_backwards(model, {option})"]
+    if plain is not None:
+        plain_peak = found.search.peak(plain)
+        assert plain_peak is not None
+        _, plain_inter, plain_bytes = gathers_by_node(units, plain, grouped=False)
+        lines.append(
+            f"The other trade-off, without reshard_to: keep_unsharded={plain}: peak "
+            f"{human_bytes(plain_peak)} per rank, {plain_inter} all-gathers per step, every one "
+            f"inter-node ({human_bytes(plain_bytes)} of them between passes)")
+        paste.append(f"   or: no_reshard_between_backwards(model, keep_unsharded={plain})")
+    return [*lines, "", *paste]
+
+
+def _node_table(found: FitRun, gpu_memory: int) -> list[str]:
+    assert found.node is not None
+    node, peaks, units = found.node, found.peaks, found.meta["unit_bytes"]
+    n, total = node.node_size, found.search.total
+    rows: list[tuple[str, int | None, int, bool]] = [
+        ("keep_unsharded=True (the default)", peaks["True"], total, False)]
+    for search, grouped in ((node.search, True), (found.search, False)):
+        answer = search.answer()
+        if answer is not None and 0 < answer < total:
+            name = f"keep_unsharded={answer}" + (f", reshard_to={n}" if grouped else "")
+            rows.append((name, search.peak(answer), answer, grouped))
+    rows += [(f"keep_unsharded=False, reshard_to={n}", node.peaks["False"], 0, True),
+             ("keep_unsharded=False", peaks["False"], 0, False)]
+    gpu = human_bytes(gpu_memory)
+    lines = [f"| option | peak per rank | all-gathers per step (intra / inter-node) | "
+             f"inter-node all-gather bytes between passes | fits in {gpu} |",
+             "|---|--:|--:|--:|---|"]
+    for name, peak, budget, grouped in rows:
+        intra, inter, between = gathers_by_node(units, budget, grouped)
+        fits = "yes" if peak is not None and peak <= gpu_memory else "no"
+        shown = human_bytes(peak) if peak is not None else "not simulated"
+        lines.append(f"| {name} | {shown} | {intra + inter} ({intra} / {inter}) | "
+                     f"{human_bytes(between) if between else '0'} | {fits} |")
+    return lines
+

@@ -37,9 +37,12 @@ class BudgetSearch:
         budget = search.answer()  # None: not even keep_unsharded=False fits
     """
 
-    def __init__(self, units: list[int], gpu_memory: int) -> None:
+    def __init__(self, units: list[int], gpu_memory: int, slope: float = 1.0) -> None:
         self.units = list(units)
         self.gpu_memory = gpu_memory
+        # Peak bytes per byte kept, until two budgets below True tell: 1, or 1 - 1/N where
+        # a unit not kept is held at 1/N between passes (reshard_to=N).
+        self.slope = slope
         ordered = keep_order([(i, n, i > 0) for i, n in enumerate(self.units)], BACKWARDS)
         self._sums = list(itertools.accumulate((n for _, n, _ in ordered), initial=0))
         self._peaks: dict[frozenset[int], int] = {}
@@ -132,7 +135,7 @@ class BudgetSearch:
         low = self.peak(self._sums[lo])
         high = self.peak(self._sums[hi]) if hi < len(self.units) else None
         assert low is not None
-        slope = 1.0
+        slope = self.slope
         if high is not None:
             slope = (high - low) / (self._sums[hi] - self._sums[lo])
         elif lo > 0:

@@ -3,22 +3,21 @@
 Each simulation is one memory-tracked step (``BackendRun.memory``, what
 ``--simulate-world-size`` runs per mode) in a child forked from the process that built
 the model under fake tensors: no rebuild, every step starts from the same state, and
-up to ``jobs`` run at once. Without ``fork`` they run one after the other in this process.
+up to ``jobs`` run at once (``_forks.py``). Without ``fork`` they run one after the other
+in this process.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
-import multiprocessing
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ._config import ReportConfig
 from ._fit import human_bytes
 from ._fit_search import BudgetSearch
+from ._forks import Forks, can_fork, frozen
 from ._modes import Mode
 from ._runner import BackendRun, short_error
 from ._simulate import simulated_rank
@@ -34,44 +33,64 @@ OPTIONS = {
 
 
 @dataclasses.dataclass
-class FitRun:
-    """What ``run_fit`` found: the model's facts (``BackendRun.meta``), the peak of each
-    of ``OPTIONS`` simulated and the search, which holds the budgets' peaks and the answer."""
+class NodeFit:
+    """``--node-size``: the same search with ``reshard_to=node_size`` (the units a budget
+    does not keep are resharded to one node between passes); ``peaks`` as ``FitRun``'s,
+    ``"False"`` being ``keep_unsharded=False, reshard_to=node_size``."""
 
-    meta: dict[str, Any]
+    node_size: int
     peaks: dict[str, int]
     search: BudgetSearch
 
 
+@dataclasses.dataclass
+class FitRun:
+    """What ``run_fit`` found: the model's facts (``BackendRun.meta``), the peak of each
+    of ``OPTIONS`` simulated and the search, which holds the budgets' peaks and the answer;
+    ``node``: the search with ``reshard_to`` (``--node-size``)."""
+
+    meta: dict[str, Any]
+    peaks: dict[str, int]
+    search: BudgetSearch
+    node: NodeFit | None = None
+
+
 def run_fit(cfg: ReportConfig, backend: str, gpu_memory: int, jobs: int,
-            log: Callable[[str], None]) -> FitRun:
+            log: Callable[[str], None], node_size: int | None = None) -> FitRun:
     """Simulates ``OPTIONS`` and the budgets ``BudgetSearch`` asks for on rank 0 of
-    ``cfg.simulate_world_size``; raises ``RuntimeError`` when a step fails."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # fake tensors compute nothing; no thread pool to fork
-    try:
-        with simulated_rank(cfg, backend) as run:
-            start = time.monotonic()
-            run.build()
-            log(f"{run.meta['fsdp_units']} FSDP units, {run.meta['param_count'] / 1e6:.1f}M "
-                f"params ({time.monotonic() - start:.0f}s to build under fake tensors)")
-            gc.freeze()  # the forks share the model's pages: no collection walks (copies) them
-            try:
-                return _search(run, gpu_memory, jobs, log)
-            finally:
-                gc.unfreeze()
-    finally:
-        torch.set_num_threads(threads)
+    ``cfg.simulate_world_size`` (with ``node_size``, the budgets again with
+    ``reshard_to=node_size``); raises ``RuntimeError`` when a step fails."""
+    with simulated_rank(cfg, backend) as run:
+        start = time.monotonic()
+        run.build()
+        log(f"{run.meta['fsdp_units']} FSDP units, {run.meta['param_count'] / 1e6:.1f}M "
+            f"params ({time.monotonic() - start:.0f}s to build under fake tensors)")
+        with frozen():
+            found = _search(run, gpu_memory, jobs, log)
+            if node_size is not None:
+                peaks, search = _search(run, gpu_memory, jobs, log, node_size,
+                                        found.peaks["True"])
+                found.node = NodeFit(node_size, peaks, search)
+            return found
 
 
-def _search(run: BackendRun, gpu_memory: int, jobs: int, log: Callable[[str], None]) -> FitRun:
-    """Runs the options and the search's budgets, ``jobs`` at a time, until it is done."""
-    search = BudgetSearch(run.meta["unit_bytes"], gpu_memory)
+def _search(run: BackendRun, gpu_memory: int, jobs: int, log: Callable[[str], None],
+            reshard_to: int | None = None, true_peak: int | None = None) -> Any:
+    """Runs the options and the search's budgets, ``jobs`` at a time, until it is done:
+    a ``FitRun``; with ``reshard_to`` the budgets (and ``False``) with that option, next
+    to ``keep_unsharded=True``'s peak (``true_peak``: keeping every unit, it reshards
+    nothing), as ``(peaks, search)``."""
+    # A kept unit adds its bytes less the 1/reshard_to share it holds when not kept.
+    slope = 1.0 if reshard_to is None else 1 - 1 / reshard_to
+    search = BudgetSearch(run.meta["unit_bytes"], gpu_memory, slope)
     peaks: dict[str, int] = {}
     todo = ["False", "True"]
-    sims = _Forks(run, jobs) if "fork" in multiprocessing.get_all_start_methods() else None
+    if true_peak is not None:
+        todo.remove("True")
+        peaks["True"] = true_peak
+        search.record(search.total, true_peak)
+    grouped = "" if reshard_to is None else f", reshard_to={reshard_to}"
+    sims = Forks(jobs) if can_fork() else None
     running: dict[Any, str | int] = {}  # a simulation -> its option label or budget
 
     def next_task() -> str | int | None:
@@ -83,19 +102,26 @@ def _search(run: BackendRun, gpu_memory: int, jobs: int, log: Callable[[str], No
             return None
         return search.next_probe([t for t in running.values() if isinstance(t, int)])
 
+    def mode_of(task: str | int) -> Mode:
+        if isinstance(task, int):
+            return Mode("keep", "every", budget_bytes=task, reshard_to=reshard_to)
+        if task == "False" and reshard_to is not None:
+            return dataclasses.replace(OPTIONS[task], reshard_to=reshard_to)
+        return OPTIONS[task]
+
     def record(task: str | int, peak: int, seconds: float) -> None:
         if isinstance(task, str):
             peaks[task] = peak
             budget = {"True": search.total, "False": 0}.get(task)
             if budget is not None:
                 search.record(budget, peak)
-            if task == "True" and peak <= gpu_memory:
+            if task == "True" and peak <= gpu_memory and reshard_to is None:
                 todo.append("True, last")
             name = f"keep_unsharded={task}".replace(", last", ', sync_grads="last"')
         else:
             search.record(task, peak)
             name = f"keep_unsharded={task}"
-        log(f"{name}: peak {human_bytes(peak)} per rank ({seconds:.0f}s)")
+        log(f"{name}{grouped}: peak {human_bytes(peak)} per rank ({seconds:.0f}s)")
 
     try:
         while True:
@@ -103,13 +129,12 @@ def _search(run: BackendRun, gpu_memory: int, jobs: int, log: Callable[[str], No
                 task = next_task()
                 if task is None:
                     break
-                mode = OPTIONS[task] if isinstance(task, str) else Mode(
-                    "keep", "every", budget_bytes=task)
+                mode = mode_of(task)
                 if sims is None:
                     began = time.monotonic()
                     record(task, _peak(run, mode), time.monotonic() - began)
                 else:
-                    running[sims.start(mode)] = task
+                    running[sims.start(_peak, run, mode)] = task
             if not running:
                 break
             for handle, peak, seconds in sims.wait() if sims else ():
@@ -118,6 +143,8 @@ def _search(run: BackendRun, gpu_memory: int, jobs: int, log: Callable[[str], No
         if sims is not None:
             sims.stop()
     assert search.done() and not todo, "fit: the search stopped before its answer"
+    if reshard_to is not None:
+        return peaks, search
     return FitRun(dict(run.meta), peaks, search)
 
 
@@ -128,56 +155,3 @@ def _peak(run: BackendRun, mode: Mode) -> int:
     except Exception as exc:  # noqa: BLE001 - named with its option below
         raise RuntimeError(f"{mode.label}: the simulated step failed: {short_error()}") from exc
     return result["peak_bytes"]
-
-
-def _child(run: BackendRun, mode: Mode, conn: Connection) -> None:
-    try:
-        conn.send((_peak(run, mode), None))
-    except BaseException as exc:  # noqa: BLE001 - the parent raises it
-        conn.send((None, str(exc)))
-    finally:
-        conn.close()
-
-
-class _Forks:
-    """Up to ``jobs`` simulations at once, each in a child forked from this process."""
-
-    def __init__(self, run: BackendRun, jobs: int) -> None:
-        self.run, self.jobs = run, max(1, jobs)
-        self.context = multiprocessing.get_context("fork")
-        self.running: dict[Connection, tuple[Any, float]] = {}  # its pipe -> (process, start)
-
-    def free(self) -> bool:
-        return len(self.running) < self.jobs
-
-    def start(self, mode: Mode) -> Connection:
-        receive, send = self.context.Pipe(duplex=False)
-        process = self.context.Process(target=_child, args=(self.run, mode, send), daemon=True)
-        process.start()
-        send.close()
-        self.running[receive] = (process, time.monotonic())
-        return receive
-
-    def wait(self) -> list[tuple[Connection, int, float]]:
-        """The simulations that ended: ``(handle, peak, seconds)``; raises for a failed one."""
-        done = []
-        for conn in wait(list(self.running)):
-            assert isinstance(conn, Connection)
-            process, began = self.running.pop(conn)
-            try:
-                peak, error = conn.recv()
-            except EOFError:
-                peak, error = None, f"the simulating process died (exit code {process.exitcode})"
-            process.join()
-            conn.close()
-            if error is not None:
-                raise RuntimeError(error)
-            done.append((conn, peak, time.monotonic() - began))
-        return done
-
-    def stop(self) -> None:
-        for conn, (process, _) in self.running.items():
-            process.kill()
-            process.join()
-            conn.close()
-        self.running.clear()

@@ -8,6 +8,7 @@ and the output follow from the entry.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -306,6 +307,12 @@ class Mode:
         """``keep:last`` -> its ``Mode``; ``node_size`` becomes the ``reshard_to`` of a
         ``node_groups`` mode."""
         name, _, sync = text.partition(":")
+        budget = re.fullmatch(r"keep_unsharded=(\d+)(?:,reshard_to=(\d+))?", name)
+        if budget is not None and sync in ("", "every", "last"):
+            # What fit prints: a budget in bytes, with --node-size its reshard_to.
+            group = budget.group(2)
+            return cls("keep", sync or "every", budget_bytes=int(budget.group(1)),
+                       reshard_to=None if group is None else int(group))
         spec = MODES.get(name)
         reshard_to = node_size if spec is not None and spec.node_groups else None
         if spec is not None and not spec.sync_grads and not sync:
@@ -322,6 +329,8 @@ class Mode:
     @property
     def label(self) -> str:
         name = self.name if self.budget_bytes is None else f"keep_unsharded={self.budget_bytes}"
+        if self.reshard_to is not None and not self.spec.node_groups:
+            name = f"{name},reshard_to={self.reshard_to}"  # fit's budgets with --node-size
         return name if self.sync_grads is None else f"{name}:{self.sync_grads}"
 
     @property

@@ -20,7 +20,9 @@ from functools import partial
 from typing import Any
 
 from ._config import ReportConfig
+from ._forks import Forks, can_fork, default_jobs, frozen
 from ._model import make_batch
+from ._modes import Mode
 from ._results import finish, merge_ranks
 from ._rows import ReportRow
 from ._runner import BackendRun, quiet_known_warnings, say, short_error, start_clock, started
@@ -108,9 +110,44 @@ def _measure(run: BackendRun) -> None:
         run.log(f"setup FAILED: {error}")
         return
     run.log(f"{run.meta['fsdp_units']} FSDP units, {run.meta['param_count'] / 1e6:.1f}M params")
+    jobs = default_jobs()
+    if can_fork() and jobs > 1 and len(run.modes) > 1:
+        _measure_forked(run, jobs)
+        return
     for mode in run.modes:
         start = time.monotonic()
         if run.guarded(mode, "memory", partial(run.memory, mode, count=True)):
             peak = run.results[mode.label]["peak_bytes"]
-            shown = f"{peak / 2**30:.2f} GiB" if peak >= 2**30 else f"{peak / 2**20:.1f} MiB"
-            run.log(f"{mode.label}: peak {shown} per rank ({time.monotonic() - start:.0f}s)")
+            run.log(f"{mode.label}: peak {_shown(peak)} per rank ({time.monotonic() - start:.0f}s)")
+
+
+def _step(run: BackendRun, mode: Mode) -> tuple[bool, dict[str, Any]]:
+    """One mode's memory-tracked, counted step: whether it ran, and its results."""
+    ok = run.guarded(mode, "memory", partial(run.memory, mode, count=True))
+    return ok, run.results[mode.label]
+
+
+def _measure_forked(run: BackendRun, jobs: int) -> None:
+    """The modes' steps ``jobs`` at a time, each in a child forked from the built model
+    (``_forks.py``): the same peaks and counts as one after the other."""
+    todo = list(run.modes)
+    running: dict[Any, Mode] = {}
+    with frozen():
+        forks = Forks(jobs)
+        try:
+            while todo or running:
+                while todo and forks.free():
+                    mode = todo.pop(0)
+                    running[forks.start(_step, run, mode)] = mode
+                for handle, (ok, result), seconds in forks.wait():
+                    mode = running.pop(handle)
+                    run.results[mode.label] = result
+                    if ok:
+                        run.log(f"{mode.label}: peak {_shown(result['peak_bytes'])} per rank "
+                                f"({seconds:.0f}s)")
+        finally:
+            forks.stop()
+
+
+def _shown(peak: int) -> str:
+    return f"{peak / 2**30:.2f} GiB" if peak >= 2**30 else f"{peak / 2**20:.1f} MiB"
