@@ -303,3 +303,24 @@ def test_keeping_more_never_lowers_the_peak_on_the_committed_70b_runs(run):
     assert len(held) >= 5, held
     for (_, low, a), (_, high, b) in zip(held, held[1:]):
         assert high >= low, f"{b} holds more than {a} but peaks lower"
+
+
+def test_committed_70b_node_answer_is_the_reports_row():
+    """The committed fit --node-size 8 answer for Llama-3-70B on 64 ranks and 80 GiB
+    (docs/report/fit/llama3_70b_64/fit_node8.txt) recommends an option whose peak is the
+    committed simulated report row for that option byte for byte (node8_answer/), within
+    80 GiB, with no inter-node all-gather bytes between passes (the row's own count) and
+    no more all-gathers per step than keep_unsharded=False, reshard_to=8."""
+    folder = ROOT / "docs/report/fit/llama3_70b_64"
+    text = (folder / "fit_node8.txt").read_text()
+    found = re.search(r"^Recommended with 8 ranks per node: keep_unsharded=(\d+), reshard_to=8$"
+                      r"\n  peak .* \((\d+) bytes\)", text, re.M)
+    assert found, text
+    budget, peak = map(int, found.groups())
+    report = json.loads((folder / "node8_answer/report.json").read_text())
+    rows = {r["label"]: r for r in report["rows"]}
+    row = rows[f"keep_unsharded={budget},reshard_to=8:every"]
+    assert row["ok"] and row["peak_bytes"] == peak <= 80 * 2**30, (row["peak_bytes"], peak)
+    assert row["inter_node_all_gather_bytes_between_passes"] == 0, row
+    baseline = rows["regather_node:every"]
+    assert row["all_gathers_per_step"] < baseline["all_gathers_per_step"], (row, baseline)
