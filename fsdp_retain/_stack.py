@@ -116,16 +116,15 @@ _LIGHTNING_ROOT = ("self.trainer.strategy.model (Lightning's Trainer) or the mod
                    "fabric.setup returned (Fabric)")
 
 
-def _lightning_fix(model: nn.Module) -> str:
-    return (f"Pass the model the strategy wrapped: {_LIGHTNING_ROOT}, under DDPStrategy, "
-            "FSDPStrategy or ModelParallelStrategy; under a strategy that wraps nothing "
-            "(one process, SingleDeviceStrategy), switch to one of them.")
+_LIGHTNING_FIX = (f"Pass the model the strategy wrapped: {_LIGHTNING_ROOT}, under DDPStrategy, "
+                  "FSDPStrategy or ModelParallelStrategy; under a strategy that wraps nothing "
+                  "(one process, SingleDeviceStrategy), switch to one of them.")
 
 
 def not_wrapped_fix(model: nn.Module) -> str:
     """The fix for a module with no DDP, FSDP or DeepSpeed wrapper around it."""
     if _lightning(model):
-        return _lightning_fix(model)
+        return _LIGHTNING_FIX
     stack = _accelerate()
     if stack is not None and stack.wraps():
         ddp = " (DDP)" if stack.distributed_type.startswith("MULTI_") else ""

@@ -226,6 +226,25 @@ def compare(model: DDP, ref_model: nn.Module) -> float:
     return rel_error(got, want)
 
 
+def grad_error(step: Callable[[DDP, torch.Tensor], None],
+               reference: Callable[[nn.Module, torch.Tensor], None]) -> float:
+    """The largest ``compare`` over ``STEPS`` batches: ``step`` on a DDP ``TwoHeads``,
+    ``reference`` on its unwrapped copy (the same weights, no optimizer step)."""
+    torch.manual_seed(42)
+    module = TwoHeads().double()
+    ref_model = copy.deepcopy(module)
+    model = DDP(module)
+    error = 0.0
+    for step_index in range(STEPS):
+        x = batch(step_index)
+        model.zero_grad()
+        step(model, x)
+        ref_model.zero_grad()
+        reference(ref_model, x)
+        error = max(error, compare(model, ref_model))
+    return error
+
+
 def assert_plain_fails(run: Callable[[], float]) -> None:
     """The same code without the block: wrong gradients, or DDP's reducer raises."""
     try:
@@ -288,23 +307,14 @@ def inputs_and_gradient() -> None:
                                     inputs=head, retain_graph=True)
             loss2(out).backward()
 
+    def reference(ref_model: nn.Module, x: torch.Tensor) -> None:
+        h = ref_model.trunk(x)
+        a = ref_model.a(h.detach())  # the first pass reaches head a only
+        a.pow(2).mean().backward()
+        loss2(ref_model(x)).backward()
+
     def run(use_block: bool) -> float:
-        torch.manual_seed(42)
-        module = TwoHeads().double()
-        ref_model = copy.deepcopy(module)
-        model = DDP(module)
-        error = 0.0
-        for step_index in range(STEPS):
-            x = batch(step_index)
-            model.zero_grad()
-            step(model, x, use_block)
-            ref_model.zero_grad()
-            h = ref_model.trunk(x)
-            a = ref_model.a(h.detach())  # the first pass reaches head a only
-            a.pow(2).mean().backward()
-            loss2(ref_model(x)).backward()
-            error = max(error, compare(model, ref_model))
-        return error
+        return grad_error(lambda m, x: step(m, x, use_block), reference)
 
     assert run(True) < TOL
     assert_plain_fails(lambda: run(False))
@@ -327,21 +337,12 @@ def gradient_penalty_create_graph() -> None:
             (loss2(out) + pen).backward()
         assert not use_block or block.backward_passes == 3, block.backward_passes
 
+    def reference(ref_model: nn.Module, x: torch.Tensor) -> None:
+        out = ref_model(x)
+        (loss1(out) + loss2(out) + penalty(ref_model, out)).backward()
+
     def run(use_block: bool) -> float:
-        torch.manual_seed(42)
-        module = TwoHeads().double()
-        ref_model = copy.deepcopy(module)
-        model = DDP(module)
-        error = 0.0
-        for step_index in range(STEPS):
-            x = batch(step_index)
-            model.zero_grad()
-            step(model, x, use_block)
-            ref_model.zero_grad()
-            out = ref_model(x)
-            (loss1(out) + loss2(out) + penalty(ref_model, out)).backward()
-            error = max(error, compare(model, ref_model))
-        return error
+        return grad_error(lambda m, x: step(m, x, use_block), reference)
 
     assert run(True) < TOL
     assert_plain_fails(lambda: run(False))

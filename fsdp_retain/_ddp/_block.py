@@ -62,7 +62,6 @@ class DDPBlock(BlockBase):
         self._handles: list[Any] = []
         self._nodes: list[Any] = []  # the managed parameters' AccumulateGrad nodes
         self._accumulated = False  # a pass wrote .grad since the last reduction
-        self.reductions = 0  # collectives launched (for tests and the report)
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -136,7 +135,7 @@ class DDPBlock(BlockBase):
 
     def _reduce(self) -> None:
         assert self._buckets is not None
-        self.reductions += self._buckets.reduce()
+        self._buckets.reduce()
         self._accumulated = False
 
     # Per-loss gradients #

@@ -55,8 +55,8 @@ class Buckets:
         managed = require_attr(ddp, "_module_parameters", FLAVOUR)
         self.params: list[torch.Tensor] = [p for p in managed if p.requires_grad]
 
-    def reduce(self) -> int:
-        """All-reduces every bucket into ``.grad``; returns the collectives launched."""
+    def reduce(self) -> None:
+        """All-reduces every bucket into ``.grad``."""
         with torch.no_grad():
             used = self._used_anywhere()
             launched = []
@@ -70,7 +70,6 @@ class Buckets:
             for params, future in launched:
                 result = future.wait()
                 self._write(params, result[0] if isinstance(result, list) else result, used)
-        return len(launched) + (used is not None)
 
     def _used_anywhere(self) -> set[int] | None:
         """``id``s of the parameters some rank has a gradient for; ``None``: all."""

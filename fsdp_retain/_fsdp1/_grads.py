@@ -52,6 +52,19 @@ class _Sentinel:
 _MISSING = object()
 
 
+def saved_grad_shard(flat_param: Any) -> Any:
+    """FSDP1's ``_saved_grad_shard`` (a reduced ``.grad`` its pre-backward moved aside), or
+    ``_MISSING``; ``put_saved_grad_shard`` puts it back."""
+    return flat_param.__dict__.get("_saved_grad_shard", _MISSING)
+
+
+def put_saved_grad_shard(flat_param: Any, saved: Any) -> None:
+    if saved is _MISSING:
+        flat_param.__dict__.pop("_saved_grad_shard", None)
+    else:
+        flat_param._saved_grad_shard = saved
+
+
 def _version(t: torch.Tensor | None) -> int:
     return -1 if t is None else t._version
 
@@ -80,7 +93,7 @@ class GradLedger:
             flat_param = unit.flat_param
             unit.grads_before = (
                 flat_param.grad,
-                flat_param.__dict__.get("_saved_grad_shard", _MISSING),
+                saved_grad_shard(flat_param),
             )
             unit.accumulating = True
 
@@ -106,15 +119,12 @@ class GradLedger:
                 self._fsdp.reshard(unit.state, handle, False)
                 if flat_param.grad is not None:
                     handle._use_sharded_grad_views()
-            now = flat_param.__dict__.get("_saved_grad_shard", _MISSING)
+            now = saved_grad_shard(flat_param)
             if flat_param.grad is grad and now is saved:
                 continue
             # prepare_gradient_for_backward() moved a reduced .grad aside.
             flat_param.grad = grad
-            if saved is _MISSING:
-                flat_param.__dict__.pop("_saved_grad_shard", None)
-            else:
-                flat_param._saved_grad_shard = saved
+            put_saved_grad_shard(flat_param, saved)
             if handle._use_orig_params:
                 handle._use_sharded_grad_views()
 

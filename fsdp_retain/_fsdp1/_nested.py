@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 from ._compat import internals
+from ._grads import put_saved_grad_shard, saved_grad_shard
 from ._units import Unit
 from .._nested import Span
 
-_MISSING = object()
 
 
 class FSDP1Span(Span):
@@ -88,7 +88,7 @@ def _keep_grad(unit: Unit) -> tuple[Any, Any, Any]:
     flat_param = unit.flat_param
     grad = flat_param.grad
     values = None if grad is None else grad.detach().clone()
-    return grad, values, flat_param.__dict__.get("_saved_grad_shard", _MISSING)
+    return grad, values, saved_grad_shard(flat_param)
 
 
 def _put_grad(unit: Unit, saved: tuple[Any, Any, Any]) -> None:
@@ -104,7 +104,4 @@ def _put_grad(unit: Unit, saved: tuple[Any, Any, Any]) -> None:
             flat_param.grad = None  # a reduced shard, moved aside
             return
         flat_param.grad = grad
-    if shard is _MISSING:
-        flat_param.__dict__.pop("_saved_grad_shard", None)
-    else:
-        flat_param._saved_grad_shard = shard
+    put_saved_grad_shard(flat_param, shard)

@@ -256,7 +256,7 @@ def _node_answer(found: FitRun, gpu_memory: int) -> list[str]:
     peak = node.search.peak(grouped)
     assert peak is not None
     intra, inter, _ = gathers_by_node(units, grouped, grouped=True)
-    base_intra, base_inter, _ = gathers_by_node(units, 0, grouped=True)
+    regather = all_gathers(units, 0, frees_after_forward=True)
     kept = node.search.kept(grouped)
     layers = f"{len(kept - {0})} of {len(units) - 1} decoder layers{' and the root' * (0 in kept)}"
     lines = [
@@ -264,7 +264,7 @@ def _node_answer(found: FitRun, gpu_memory: int) -> list[str]:
         f"  peak {human_bytes(peak)} per rank ({peak} bytes); keeps {layers} unsharded, "
         f"reshards the others to one node between passes: {intra + inter} all-gathers per step "
         f"({intra} intra-node, {inter} inter-node), no inter-node all-gather between passes; "
-        f"saves {base_intra + base_inter - intra - inter} all-gathers per step against "
+        f"saves {regather - intra - inter} all-gathers per step against "
         f"keep_unsharded=False, reshard_to={n}",
     ]
     paste = [f"Paste: no_reshard_between_backwards(model, {option})"]
