@@ -222,8 +222,14 @@ NODE_FLAGS = ["--world-size", "4", "--node-size", "2", "--batch", "2", "--seq-le
     (["--world-size", "6", "--node-size", "4"], "--node-size 4 does not divide --world-size 6"),
     (["--world-size", "4", "--node-size", "4"], "is not smaller than --world-size 4"),
     (["--world-size", "4", "--node-size", "2", "--backend", "fsdp1"],
-     "On FSDP1, shard over one node with HYBRID_SHARD"),
-], ids=["one", "not_dividing", "whole_world", "fsdp1"])
+     "Add --fsdp1-sharding HYBRID_SHARD to search the budgets with FSDP1 sharded over shard "
+     "groups of 2 ranks"),
+    (["--world-size", "4", "--node-size", "2", "--fsdp1-sharding", "HYBRID_SHARD"],
+     "pass it with --backend fsdp1 and --node-size N"),
+    (["--world-size", "4", "--backend", "fsdp1", "--fsdp1-sharding", "HYBRID_SHARD"],
+     "pass it with --backend fsdp1 and --node-size N"),
+], ids=["one", "not_dividing", "whole_world", "fsdp1_full_shard", "hybrid_on_fsdp2",
+        "hybrid_without_node"])
 def test_fit_node_size_usage_errors(config, flags, message, capsys):
     """A bad --node-size is a usage error (exit 2) naming the fix, before any simulation."""
     from fsdp_retain.report import main
@@ -276,6 +282,61 @@ def test_fit_node_size_recommends_node_groups_matching_the_report(config, capsys
     assert shown in out, out
 
 
+def test_fit_node_size_on_fsdp1_recommends_hybrid_shard_matching_the_report(config, capsys):
+    """fit --backend fsdp1 --node-size 2 --fsdp1-sharding HYBRID_SHARD on 4 simulated ranks,
+    the GPU memory between the HYBRID_SHARD peak of False and the lower peak of True (with
+    either sharding): it recommends a budget
+    on FSDP1 wrapped with HYBRID_SHARD over groups of 2 whose peak is the report's simulated
+    row for that option (--fsdp1-sharding HYBRID_SHARD) byte for byte, every all-gather of
+    the row inside a group of 2 ranks, and FULL_SHARD's budget beside it."""
+    from fsdp_retain.report import main
+    from fsdp_retain.report._simulate import _simulate_backend
+
+    base = dict(model_config=str(config), simulate_world_size=4, backends=("fsdp1",),
+                batch=2, seq_len=64, node_size=2, fsdp1_sharding="HYBRID_SHARD")
+    option_rows, _ = _simulate_backend(ReportConfig(
+        **base, modes=("two_forward", "keep:every", "regather_node:every")), "fsdp1")
+    rows = {r.label: r for r in option_rows}
+    (_, full_keep), _ = _simulate_backend(ReportConfig(
+        **{**base, "fsdp1_sharding": "FULL_SHARD"}, modes=("two_forward", "keep:every")),
+        "fsdp1")
+    keep = min(rows["keep:every"].peak_bytes, full_keep.peak_bytes)
+    regather = rows["regather_node:every"].peak_bytes
+    assert keep > regather  # else keep_unsharded=True fits wherever HYBRID_SHARD does
+    assert set(rows["keep:every"].all_gather_bytes_by_group) == {"2"}, rows["keep:every"]
+    gpu = regather + (keep - regather) * 2 // 3
+    assert main(["fit", "--model-config", str(config), "--gpu-memory", str(gpu),
+                 "--backend", "fsdp1", "--fsdp1-sharding", "HYBRID_SHARD", *NODE_FLAGS]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"^Recommended with 2 ranks per node: keep_unsharded=(\d+), reshard_to=2 "
+                      r"with HYBRID_SHARD$\n  peak .* \((\d+) bytes\).*: (\d+) all-gathers per "
+                      r"step \((\d+) intra-node, 0 inter-node\), every one inside a node; saves "
+                      r"(\d+) ", out, re.M)
+    assert found, out
+    budget, peak, gathers, intra, saved = map(int, found.groups())
+    assert saved >= 0 and peak <= gpu and gathers == intra
+    assert 'device_mesh=init_device_mesh("cuda", (2, 2))' in out, out
+    assert f"Paste: no_reshard_between_backwards(model, keep_unsharded={budget}, reshard_to=2)" in out
+    assert re.search(r"^   or: no_reshard_between_backwards\(model, keep_unsharded=\d+\)  "
+                     r"# FULL_SHARD$", out, re.M), out
+    option = f"keep_unsharded={budget},reshard_to=2:every"
+    (_, row), _ = _simulate_backend(ReportConfig(**base, modes=("two_forward", option)), "fsdp1")
+    assert row.ok, row.error
+    assert row.peak_bytes == peak, (row.peak_bytes, peak)
+    assert row.all_gathers_per_step == gathers, (row.all_gathers_per_step, out)
+    assert set(row.all_gather_bytes_by_group) == {"2"}, row  # every all-gather in the node
+    assert row.inter_node_all_gather_bytes_between_passes == 0, row
+    shown = f"| keep_unsharded=False, reshard_to=2 with HYBRID_SHARD | {human_bytes(regather)} |"
+    assert shown in out, out
+
+
+def test_hybrid_shard_needs_a_node_size():
+    with pytest.raises(ValueError, match="pass --node-size N"):
+        ReportConfig(backends=("fsdp1",), fsdp1_sharding="HYBRID_SHARD")
+    with pytest.raises(ValueError, match="use FULL_SHARD or HYBRID_SHARD"):
+        ReportConfig(backends=("fsdp1",), fsdp1_sharding="SHARD_GRAD_OP")
+
+
 @pytest.mark.parametrize("run", ["llama3_70b_64", "llama3_70b_8"])
 def test_keeping_more_never_lowers_the_peak_on_the_committed_70b_runs(run):
     """fit's search assumes a budget that holds more between passes never peaks lower. On
@@ -305,22 +366,30 @@ def test_keeping_more_never_lowers_the_peak_on_the_committed_70b_runs(run):
         assert high >= low, f"{b} holds more than {a} but peaks lower"
 
 
-def test_committed_70b_node_answer_is_the_reports_row():
-    """The committed fit --node-size 8 answer for Llama-3-70B on 64 ranks and 80 GiB
-    (docs/report/fit/llama3_70b_64/fit_node8.txt) recommends an option whose peak is the
-    committed simulated report row for that option byte for byte (node8_answer/), within
-    80 GiB, with no inter-node all-gather bytes between passes (the row's own count) and
-    no more all-gathers per step than keep_unsharded=False, reshard_to=8."""
+@pytest.mark.parametrize("answer, rows, option", [
+    ("fit_node8.txt", "node8_answer", r"keep_unsharded=(\d+), reshard_to=8"),
+    ("fit_fsdp1_hybrid8.txt", "fsdp1_hybrid8_answer",
+     r"keep_unsharded=(\d+), reshard_to=8 with HYBRID_SHARD"),
+], ids=["fsdp2", "fsdp1_hybrid"])
+def test_committed_70b_node_answer_is_the_reports_row(answer, rows, option):
+    """The committed fit --node-size 8 answers for Llama-3-70B on 64 ranks and 80 GiB
+    (FSDP2; FSDP1 with --fsdp1-sharding HYBRID_SHARD) recommend an option whose peak is the
+    committed simulated report row for that option byte for byte, within 80 GiB, with no
+    inter-node all-gather bytes between passes (the row's own count) and fewer all-gathers
+    per step than keep_unsharded=False, reshard_to=8 (on FSDP1 every all-gather of the row
+    in a group of 8 ranks)."""
     folder = ROOT / "docs/report/fit/llama3_70b_64"
-    text = (folder / "fit_node8.txt").read_text()
-    found = re.search(r"^Recommended with 8 ranks per node: keep_unsharded=(\d+), reshard_to=8$"
+    text = (folder / answer).read_text()
+    found = re.search(rf"^Recommended with 8 ranks per node: {option}$"
                       r"\n  peak .* \((\d+) bytes\)", text, re.M)
     assert found, text
     budget, peak = map(int, found.groups())
-    report = json.loads((folder / "node8_answer/report.json").read_text())
-    rows = {r["label"]: r for r in report["rows"]}
-    row = rows[f"keep_unsharded={budget},reshard_to=8:every"]
+    report = json.loads((folder / rows / "report.json").read_text())
+    by_label = {r["label"]: r for r in report["rows"]}
+    row = by_label[f"keep_unsharded={budget},reshard_to=8:every"]
     assert row["ok"] and row["peak_bytes"] == peak <= 80 * 2**30, (row["peak_bytes"], peak)
     assert row["inter_node_all_gather_bytes_between_passes"] == 0, row
-    baseline = rows["regather_node:every"]
+    baseline = by_label["regather_node:every"]
     assert row["all_gathers_per_step"] < baseline["all_gathers_per_step"], (row, baseline)
+    if report["config"].get("fsdp1_sharding") == "HYBRID_SHARD":
+        assert set(row["all_gather_bytes_by_group"]) == {"8"}, row

@@ -137,3 +137,39 @@ def test_committed_70b_on_64_ranks_fits_with_no_inter_node_all_gathers():
     assert node["peak_bytes"] <= 80 * 2**30
     assert node["inter_node_all_gather_bytes_between_passes"] == 0
     assert rows["regather:every"]["inter_node_all_gather_bytes_between_passes"] > 0
+
+
+def test_fsdp1_hybrid_shard_launch_gathers_inside_the_node(tmp_path):
+    """--fsdp1-sharding HYBRID_SHARD on 4 real gloo ranks in nodes of 2: FSDP1 sharded over
+    groups of 2 ranks, so every all-gather (the forward's too) is on a group of 2; the
+    block's reshard_to=2 (regather_node) runs there, with 0 inter-node bytes between
+    passes. (The gradients of HYBRID_SHARD under the block are checked for parity in
+    tests/cases_reshard_to_fsdp1.py.)"""
+    from fsdp_retain.report import run_report
+
+    cfg = ReportConfig(backends=("fsdp1",), size="tiny", nproc=4, node_size=2,
+                       fsdp1_sharding="HYBRID_SHARD", warmup=1, steps=2, out=str(tmp_path),
+                       timeout=300, modes=("two_forward", "keep:every", "regather_node:every"))
+    data = run_report(cfg)
+    assert data["config"]["fsdp1_sharding"] == "HYBRID_SHARD"
+    rows = {r["label"]: r for r in data["rows"]}
+    for label, row in rows.items():
+        assert row["ok"], (label, row["error"])
+        assert set(row["all_gather_bytes_by_group"]) == {"2"}, row
+        assert row["inter_node_all_gather_bytes_between_passes"] == 0, row
+    assert (rows["regather_node:every"]["all_gathers_per_step"]
+            > rows["keep:every"]["all_gathers_per_step"])
+    assert "`HYBRID_SHARD` over shard groups of 2 ranks" in (tmp_path / "report.md").read_text()
+
+
+def test_regather_node_on_fsdp1_full_shard_names_hybrid_shard(tmp_path):
+    """Without --fsdp1-sharding HYBRID_SHARD, FSDP1's regather_node row records the
+    library's refusal, and the report's reason names the flag that runs it."""
+    from fsdp_retain.report import run_report
+
+    data = run_report(ReportConfig(
+        backends=("fsdp1",), size="tiny", simulate_world_size=4, node_size=2,
+        out=str(tmp_path), modes=("two_forward", "regather_node:every")))
+    row = next(r for r in data["rows"] if r["label"] == "regather_node:every")
+    assert not row["ok"] and "HYBRID_SHARD" in row["error"], row
+    assert "--fsdp1-sharding HYBRID_SHARD" in row["expected_error"], row

@@ -7,7 +7,7 @@ import os
 import shlex
 import sys
 
-from ._config import ALL_BACKENDS, BACKENDS, DIM_FLAGS, DTYPES, MIN_TIMED_STEPS, SIZES, ReportConfig
+from ._config import ALL_BACKENDS, BACKENDS, DIM_FLAGS, DTYPES, FSDP1_SHARDING, MIN_TIMED_STEPS, SIZES, ReportConfig
 from ._fit import parse_bytes
 from ._deps import MissingDependency, check_dependencies
 from ._launch import run_report
@@ -65,6 +65,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         "reshard_to of mode regather_node, and the all-gathers on groups of "
                         "more than N ranks count as inter-node. Not read from the launcher: "
                         "give it on real launches too")
+    parser.add_argument("--fsdp1-sharding", default="FULL_SHARD", choices=FSDP1_SHARDING,
+                        help="--backend fsdp1's ShardingStrategy (default FULL_SHARD); "
+                        "HYBRID_SHARD shards over the --node-size ranks of a node and "
+                        "replicates across nodes")
     parser.add_argument("--ddp-bucket-cap-mb", type=float, default=None, metavar="MIB",
                         help="--backend ddp: DDP's bucket_cap_mb (default: DDP's 25); the "
                         "all-reduces per step are counted per bucket")
@@ -125,6 +129,7 @@ def _make_config(args: argparse.Namespace, command: str) -> ReportConfig:
         gpu_memory=tuple(parse_bytes(size) for size in args.gpu_memory),
         node_size=args.node_size,
         ddp_bucket_cap_mb=args.ddp_bucket_cap_mb,
+        fsdp1_sharding=args.fsdp1_sharding,
         **{name: getattr(args, name) for name in DIM_FLAGS},
     )
 

@@ -33,6 +33,7 @@ SIZES: dict[str, dict[str, Any]] = {
                 vocab=152064, tie=False, seq_len=2048, batch=1),
 }
 DIM_FLAGS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "seq_len", "batch")
+FSDP1_SHARDING = ("FULL_SHARD", "HYBRID_SHARD")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -81,6 +82,9 @@ class ReportConfig:
     # Ranks per node: regather_node's reshard_to, and which all-gathers leave a node.
     node_size: int | None = None
     ddp_bucket_cap_mb: float | None = None  # ddp: DDP's bucket_cap_mb (None: its 25)
+    # fsdp1's ShardingStrategy: HYBRID_SHARD shards over the node_size ranks of a node and
+    # replicates across nodes (a device_mesh of shape (world / node_size, node_size)).
+    fsdp1_sharding: str = "FULL_SHARD"
 
     def __post_init__(self) -> None:
         self.backends = tuple(self.backends)
@@ -98,6 +102,7 @@ class ReportConfig:
             raise ValueError("modes must include two_forward: savings and overheads are against it")
         self.modes = tuple(labels)
         self.check_node_size(self.simulate_world_size or self.nproc)
+        self.check_fsdp1_sharding()
         if self.ddp_bucket_cap_mb is not None and not self.ddp_bucket_cap_mb > 0:
             raise ValueError(f"--ddp-bucket-cap-mb must be > 0 (MiB), got {self.ddp_bucket_cap_mb}")
         if self.device not in ("cpu", "cuda"):
@@ -137,6 +142,17 @@ class ReportConfig:
                 f"--node-size {size} does not divide the world size {world}: nodes hold "
                 f"equal numbers of ranks. Pass a divisor of {world} (the ranks per node), "
                 f"or a world size that is a multiple of {size}")
+
+    def check_fsdp1_sharding(self) -> None:
+        """Raises ``ValueError`` for an unknown ``fsdp1_sharding``, or ``HYBRID_SHARD``
+        without the ``node_size`` that makes its shard groups."""
+        if self.fsdp1_sharding not in FSDP1_SHARDING:
+            raise ValueError(f"--fsdp1-sharding {self.fsdp1_sharding!r}: use "
+                             f"{' or '.join(FSDP1_SHARDING)}")
+        if self.fsdp1_sharding == "HYBRID_SHARD" and self.node_size is None:
+            raise ValueError("--fsdp1-sharding HYBRID_SHARD shards FSDP1 over the ranks of one "
+                             "node: pass --node-size N (e.g. 8 GPUs per node), the size of "
+                             "its shard groups")
 
     def dims(self) -> dict[str, Any]:
         """The model's shape, ``seq_len`` and ``batch`` (per rank), flags applied."""

@@ -76,14 +76,18 @@ def all_gathers(units: list[int], budget: int, frees_after_forward: bool) -> int
     return n + (layers_not_kept if frees_after_forward else 0) + (BACKWARDS - 1) * (n - k)
 
 
-def gathers_by_node(units: list[int], budget: int, grouped: bool) -> tuple[int, int, int]:
+def gathers_by_node(units: list[int], budget: int, grouped: bool,
+                    hybrid: bool = False) -> tuple[int, int, int]:
     """``(intra-node, inter-node all-gathers per step, inter-node all-gather bytes between
     passes)`` with ``budget``, ``grouped``: ``reshard_to=<node size>``. The forward and pass 1
     gather from every rank (inter-node, as ``all_gathers``); the later passes re-gather the
     units not kept, inside the node where they were resharded to it. Bytes: each all-gather's
-    output (the unit's unsharded bytes), as the report's rows count them."""
+    output (the unit's unsharded bytes), as the report's rows count them. ``hybrid``: FSDP1
+    ``HYBRID_SHARD`` over one node, where every all-gather stays inside it."""
     kept = kept_units_of(units, budget)
     total = all_gathers(units, budget, frees_after_forward=True)
+    if hybrid:
+        return total, 0, 0
     later = (BACKWARDS - 1) * (len(units) - len(kept))
     later_bytes = (BACKWARDS - 1) * sum(n for i, n in enumerate(units) if i not in kept)
     if grouped:

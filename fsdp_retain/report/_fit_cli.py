@@ -15,7 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from ._config import DIM_FLAGS, DTYPES, SIZES, ReportConfig
+from ._config import DIM_FLAGS, DTYPES, FSDP1_SHARDING, SIZES, ReportConfig
 from ._deps import MissingDependency, check_dependencies
 from ._fit import all_gathers, gathers_by_node, human_bytes, parse_bytes
 
@@ -63,7 +63,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         help="ranks per node: also search the budgets with reshard_to=N (the "
                              "units not kept are resharded to one node between passes, so "
                              "later passes all-gather inside it), and split all-gathers into "
-                             "intra- and inter-node (FSDP2)")
+                             "intra- and inter-node; FSDP1: with --fsdp1-sharding HYBRID_SHARD")
+    parser.add_argument("--fsdp1-sharding", default="FULL_SHARD", choices=FSDP1_SHARDING,
+                        help="with --backend fsdp1 --node-size N: HYBRID_SHARD searches the "
+                             "budgets again with FSDP1 sharded over shard groups of N ranks "
+                             "(one node) and replicated across nodes, beside FULL_SHARD's")
     parser.add_argument("--verbose", action="store_true",
                         help="also print this machine's calibration (its speed on a fixed "
                              "CPU workload), to compare the run time with another machine's")
@@ -122,7 +126,7 @@ def _config(args: argparse.Namespace, argv: list[str],
             prog: str) -> tuple[ReportConfig, int]:
     if args.world_size < 1:
         raise ValueError(f"--world-size {args.world_size}: pass the number of ranks, 1 or more")
-    _check_node_size(args.node_size, args.world_size, args.backend)
+    _check_node_size(args.node_size, args.world_size, args.backend, args.fsdp1_sharding)
     gpu_memory = parse_bytes(args.gpu_memory)
     if gpu_memory <= 0:
         raise ValueError(f"--gpu-memory {args.gpu_memory}: pass the memory of one GPU, e.g. 80GiB")
@@ -136,7 +140,10 @@ def _config(args: argparse.Namespace, argv: list[str],
     return cfg, gpu_memory
 
 
-def _check_node_size(node: int | None, world: int, backend: str) -> None:
+def _check_node_size(node: int | None, world: int, backend: str, fsdp1_sharding: str) -> None:
+    if fsdp1_sharding == "HYBRID_SHARD" and (backend != "fsdp1" or node is None):
+        raise ValueError("--fsdp1-sharding HYBRID_SHARD searches FSDP1 sharded over one node: "
+                         "pass it with --backend fsdp1 and --node-size N (the ranks per node)")
     if node is None:
         return
     if node < 2:
@@ -148,12 +155,12 @@ def _check_node_size(node: int | None, world: int, backend: str) -> None:
     if node >= world:
         raise ValueError(f"--node-size {node} is not smaller than --world-size {world}: every "
                          "rank is in one node, so no all-gather leaves it; drop --node-size")
-    if backend != "fsdp2":
-        raise ValueError(f"--node-size with --backend {backend}: fit simulates FSDP1 with "
-                         "FULL_SHARD, which reshards a unit to every rank. On FSDP1, shard "
-                         "over one node with HYBRID_SHARD (a device_mesh whose shard dimension "
-                         f"has {node} ranks; the block then re-gathers inside it); to search "
-                         "budgets with reshard_to, use --backend fsdp2")
+    if backend == "fsdp1" and fsdp1_sharding != "HYBRID_SHARD":
+        raise ValueError(f"--node-size with --backend fsdp1 and FULL_SHARD: FSDP1 reshards a "
+                         "unit to every rank, so it cannot keep re-gathers inside a node. Add "
+                         "--fsdp1-sharding HYBRID_SHARD to search the budgets with FSDP1 "
+                         f"sharded over shard groups of {node} ranks (a device_mesh of shape "
+                         f"({world // node}, {node})), or use --backend fsdp2 (reshard_to)")
 
 
 def render(cfg: ReportConfig, backend: str, gpu_memory: int, found: FitRun) -> str:
@@ -168,7 +175,7 @@ def render(cfg: ReportConfig, backend: str, gpu_memory: int, found: FitRun) -> s
         f"passes per step; GPU memory {human_bytes(gpu_memory)} per rank",
         "",
         *(_answer(found, gpu_memory) if found.node is None
-          else _node_answer(found, gpu_memory)),
+          else _node_answer(found, gpu_memory, cfg.simulate_world_size or 1)),
         "",
         *(_table(found, gpu_memory) if found.node is None
           else _node_table(found, gpu_memory)),
@@ -237,71 +244,94 @@ def _table(found: FitRun, gpu_memory: int) -> list[str]:
     return lines
 
 
-def _node_answer(found: FitRun, gpu_memory: int) -> list[str]:
+def _node_option(budget: int, total: int, n: int, hybrid: bool) -> str:
+    """The option's name as pasted (``hybrid``: on FSDP1 wrapped with ``HYBRID_SHARD``,
+    where ``reshard_to=n`` changes nothing but refuses any other layout)."""
+    keep = ("keep_unsharded=True" if budget >= total else "keep_unsharded=False" if budget == 0
+            else f"keep_unsharded={budget}")
+    return f"{keep}, reshard_to={n}" + (" with HYBRID_SHARD" if hybrid else "")
+
+
+def _node_answer(found: FitRun, gpu_memory: int, world: int) -> list[str]:
     """``--node-size``: the option that fits with no inter-node re-gather between passes and
-    the most all-gathers saved (the largest budget with ``reshard_to``), the plain budget
-    beside it as the other trade-off."""
+    the most all-gathers saved (the largest budget with ``reshard_to``; on FSDP1 with
+    ``HYBRID_SHARD``), the plain budget beside it as the other trade-off."""
     assert found.node is not None
     node, units = found.node, found.meta["unit_bytes"]
     grouped, plain = node.search.answer(), found.search.answer()
-    if plain is not None and plain >= found.search.total:
+    total, n = found.search.total, node.node_size
+    if plain is not None and plain >= total:
         return _answer(found, gpu_memory)  # True fits: nothing is re-gathered at all
+    false_option = _node_option(0, total, n, node.hybrid)
     if grouped is None:
-        return [f"Nothing with reshard_to={node.node_size} fits: keep_unsharded=False, "
-                f"reshard_to={node.node_size} peaks at {human_bytes(node.peaks['False'])} per "
-                f"rank, over {human_bytes(gpu_memory)}. Without reshard_to:", "",
+        return [f"Nothing with reshard_to={n}{' and HYBRID_SHARD' * node.hybrid} fits: "
+                f"keep_unsharded=False, {false_option.partition(', ')[2]} peaks at "
+                f"{human_bytes(node.peaks['False'])} per rank, over {human_bytes(gpu_memory)}. "
+                f"Without {'HYBRID_SHARD' if node.hybrid else 'reshard_to'}:", "",
                 *_answer(found, gpu_memory)]
-    n = node.node_size
-    option = f"keep_unsharded={grouped}, reshard_to={n}"
+    option = _node_option(grouped, total, n, node.hybrid)
     peak = node.search.peak(grouped)
     assert peak is not None
-    intra, inter, _ = gathers_by_node(units, grouped, grouped=True)
+    intra, inter, _ = gathers_by_node(units, grouped, True, node.hybrid)
     regather = all_gathers(units, 0, frees_after_forward=True)
     kept = node.search.kept(grouped)
     layers = f"{len(kept - {0})} of {len(units) - 1} decoder layers{' and the root' * (0 in kept)}"
+    how = ("every one inside a node" if node.hybrid
+           else "no inter-node all-gather between passes")
+    others = ("" if grouped >= total
+              else ", reshards the others to one node between passes" if not node.hybrid
+              else ", re-gathers the others inside their node")
     lines = [
         f"Recommended with {n} ranks per node: {option}",
-        f"  peak {human_bytes(peak)} per rank ({peak} bytes); keeps {layers} unsharded, "
-        f"reshards the others to one node between passes: {intra + inter} all-gathers per step "
-        f"({intra} intra-node, {inter} inter-node), no inter-node all-gather between passes; "
-        f"saves {regather - intra - inter} all-gathers per step against "
-        f"keep_unsharded=False, reshard_to={n}",
+        f"  peak {human_bytes(peak)} per rank ({peak} bytes); keeps {layers} unsharded{others}: "
+        f"{intra + inter} all-gathers per step ({intra} intra-node, {inter} inter-node), {how}; "
+        f"saves {regather - intra - inter} all-gathers per step against {false_option}",
     ]
-    paste = [f"Paste: no_reshard_between_backwards(model, {option})"]
+    if node.hybrid:
+        shape = f"({world // n}, {n})"
+        lines.append(f"  wrap FSDP1 with sharding_strategy=ShardingStrategy.HYBRID_SHARD and "
+                     f"device_mesh=init_device_mesh(\"cuda\", {shape}) (shard groups of {n} "
+                     "ranks, one node each; the peak is that model's)")
+    paste = [f"Paste: no_reshard_between_backwards(model, {option.partition(' with ')[0]})"]
     if plain is not None:
         plain_peak = found.search.peak(plain)
         assert plain_peak is not None
         _, plain_inter, plain_bytes = gathers_by_node(units, plain, grouped=False)
+        without = "FULL_SHARD" if node.hybrid else "without reshard_to"
         lines.append(
-            f"The other trade-off, without reshard_to: keep_unsharded={plain}: peak "
+            f"The other trade-off, {without}: keep_unsharded={plain}: peak "
             f"{human_bytes(plain_peak)} per rank, {plain_inter} all-gathers per step, every one "
             f"inter-node ({human_bytes(plain_bytes)} of them between passes)")
-        paste.append(f"   or: no_reshard_between_backwards(model, keep_unsharded={plain})")
+        paste.append(f"   or: no_reshard_between_backwards(model, keep_unsharded={plain})"
+                     + ("  # FULL_SHARD" if node.hybrid else ""))
     return [*lines, "", *paste]
 
 
 def _node_table(found: FitRun, gpu_memory: int) -> list[str]:
     assert found.node is not None
     node, peaks, units = found.node, found.peaks, found.meta["unit_bytes"]
-    n, total = node.node_size, found.search.total
+    n, total, hybrid = node.node_size, found.search.total, node.hybrid
+    plain = " with FULL_SHARD" if hybrid else ""
     rows: list[tuple[str, int | None, int, bool]] = [
-        ("keep_unsharded=True (the default)", peaks["True"], total, False)]
+        (f"keep_unsharded=True (the default){plain}", peaks["True"], total, False)]
+    if hybrid:
+        rows.append((_node_option(total, total, n, True), node.peaks["True"], total, True))
     for search, grouped in ((node.search, True), (found.search, False)):
         answer = search.answer()
         if answer is not None and 0 < answer < total:
-            name = f"keep_unsharded={answer}" + (f", reshard_to={n}" if grouped else "")
+            name = (_node_option(answer, total, n, hybrid) if grouped
+                    else f"keep_unsharded={answer}{plain}")
             rows.append((name, search.peak(answer), answer, grouped))
-    rows += [(f"keep_unsharded=False, reshard_to={n}", node.peaks["False"], 0, True),
-             ("keep_unsharded=False", peaks["False"], 0, False)]
+    rows += [(_node_option(0, total, n, hybrid), node.peaks["False"], 0, True),
+             (f"keep_unsharded=False{plain}", peaks["False"], 0, False)]
     gpu = human_bytes(gpu_memory)
     lines = [f"| option | peak per rank | all-gathers per step (intra / inter-node) | "
              f"inter-node all-gather bytes between passes | fits in {gpu} |",
              "|---|--:|--:|--:|---|"]
     for name, peak, budget, grouped in rows:
-        intra, inter, between = gathers_by_node(units, budget, grouped)
+        intra, inter, between = gathers_by_node(units, budget, grouped, hybrid and grouped)
         fits = "yes" if peak is not None and peak <= gpu_memory else "no"
         shown = human_bytes(peak) if peak is not None else "not simulated"
         lines.append(f"| {name} | {shown} | {intra + inter} ({intra} / {inter}) | "
                      f"{human_bytes(between) if between else '0'} | {fits} |")
     return lines
-

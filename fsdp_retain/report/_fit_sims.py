@@ -36,11 +36,15 @@ OPTIONS = {
 class NodeFit:
     """``--node-size``: the same search with ``reshard_to=node_size`` (the units a budget
     does not keep are resharded to one node between passes); ``peaks`` as ``FitRun``'s,
-    ``"False"`` being ``keep_unsharded=False, reshard_to=node_size``."""
+    ``"False"`` being ``keep_unsharded=False, reshard_to=node_size``. ``hybrid``: FSDP1,
+    searched on a model wrapped with ``HYBRID_SHARD`` over shard groups of ``node_size``
+    (every all-gather inside a node; ``reshard_to`` only checks that layout), its own
+    ``"True"`` simulated."""
 
     node_size: int
     peaks: dict[str, int]
     search: BudgetSearch
+    hybrid: bool = False
 
 
 @dataclasses.dataclass
@@ -59,19 +63,31 @@ def run_fit(cfg: ReportConfig, backend: str, gpu_memory: int, jobs: int,
             log: Callable[[str], None], node_size: int | None = None) -> FitRun:
     """Simulates ``OPTIONS`` and the budgets ``BudgetSearch`` asks for on rank 0 of
     ``cfg.simulate_world_size`` (with ``node_size``, the budgets again with
-    ``reshard_to=node_size``); raises ``RuntimeError`` when a step fails."""
+    ``reshard_to=node_size``; on FSDP1 on a second model wrapped with ``HYBRID_SHARD``
+    over shard groups of ``node_size``); raises ``RuntimeError`` when a step fails."""
     with simulated_rank(cfg, backend) as run:
-        start = time.monotonic()
-        run.build()
-        log(f"{run.meta['fsdp_units']} FSDP units, {run.meta['param_count'] / 1e6:.1f}M "
-            f"params ({time.monotonic() - start:.0f}s to build under fake tensors)")
+        _build(run, log)
         with frozen():
             found = _search(run, gpu_memory, jobs, log)
-            if node_size is not None:
+            if node_size is not None and backend == "fsdp2":
                 peaks, search = _search(run, gpu_memory, jobs, log, node_size,
                                         found.peaks["True"])
                 found.node = NodeFit(node_size, peaks, search)
-            return found
+    if node_size is not None and backend == "fsdp1":
+        hybrid = dataclasses.replace(cfg, node_size=node_size, fsdp1_sharding="HYBRID_SHARD")
+        with simulated_rank(hybrid, backend) as run:
+            _build(run, log, " with HYBRID_SHARD")
+            with frozen():
+                peaks, search = _search(run, gpu_memory, jobs, log, node_size)
+        found.node = NodeFit(node_size, peaks, search, hybrid=True)
+    return found
+
+
+def _build(run: BackendRun, log: Callable[[str], None], how: str = "") -> None:
+    start = time.monotonic()
+    run.build()
+    log(f"{run.meta['fsdp_units']} FSDP units, {run.meta['param_count'] / 1e6:.1f}M "
+        f"params ({time.monotonic() - start:.0f}s to build{how} under fake tensors)")
 
 
 def _search(run: BackendRun, gpu_memory: int, jobs: int, log: Callable[[str], None],
@@ -90,6 +106,8 @@ def _search(run: BackendRun, gpu_memory: int, jobs: int, log: Callable[[str], No
         peaks["True"] = true_peak
         search.record(search.total, true_peak)
     grouped = "" if reshard_to is None else f", reshard_to={reshard_to}"
+    if run.cfg.fsdp1_sharding == "HYBRID_SHARD" and run.backend == "fsdp1":
+        grouped += " (HYBRID_SHARD)"
     sims = Forks(jobs) if can_fork() else None
     running: dict[Any, str | int] = {}  # a simulation -> its option label or budget
 

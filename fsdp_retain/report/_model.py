@@ -58,7 +58,11 @@ def build_model(cfg: ReportConfig, device):
     finally:
         torch.set_default_dtype(previous)
     if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     return model
 
@@ -100,10 +104,26 @@ def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def device_mesh(cfg: ReportConfig, backend: str, device_type: str, world: int):
+    """The mesh ``backend`` shards over (``None``: FSDP1's default process group): every
+    rank, or for FSDP1 ``HYBRID_SHARD`` shard groups of ``cfg.node_size`` consecutive ranks
+    (one node: launchers number ranks node by node), replicated across nodes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if backend == "fsdp1" and cfg.fsdp1_sharding == "HYBRID_SHARD":
+        assert cfg.node_size, "HYBRID_SHARD needs node_size (ReportConfig checks it)"
+        return init_device_mesh(device_type, (world // cfg.node_size, cfg.node_size),
+                                mesh_dim_names=("replicate", "shard"))
+    if backend == "fsdp2":
+        return init_device_mesh(device_type, (world,))
+    return None
+
+
 def wrap(model, backend: str, device, mesh=None, *, bucket_cap_mb: float | None = None):
     """Shards each decoder layer, then the root, with ``backend``'s defaults (``ddp``:
     the whole model in one ``DistributedDataParallel``, nothing sharded, its buckets of
-    ``bucket_cap_mb``; ``None``: DDP's default)."""
+    ``bucket_cap_mb``; ``None``: DDP's default); FSDP1 with a 2-D ``mesh`` (``device_mesh``)
+    uses ``HYBRID_SHARD`` over it."""
     if backend == "ddp":
         from ._ddp import wrap as ddp_wrap
 
@@ -116,11 +136,13 @@ def wrap(model, backend: str, device, mesh=None, *, bucket_cap_mb: float | None 
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+    hybrid = {} if mesh is None else {"sharding_strategy": ShardingStrategy.HYBRID_SHARD,
+                                      "device_mesh": mesh}
     return FullyShardedDataParallel(
-        model, auto_wrap_policy=ModuleWrapPolicy({type(layers[0])}), device_id=device
+        model, auto_wrap_policy=ModuleWrapPolicy({type(layers[0])}), device_id=device, **hybrid
     )
 
 

@@ -181,10 +181,12 @@ MODES: dict[str, ModeSpec] = {
                  "later passes all-gather inside the node",
                  block=dict(keep_unsharded=False), sync_grads=("every", "last"),
                  bound=_node_bound, node_groups=True,
-                 expected_crash={backend: "reshard_to needs FSDP2 (fully_shard): the library "
-                                 "refuses it on " + name
-                                 for backend, name in (("fsdp1", "FSDP1"),
-                                                       ("deepspeed", "ZeRO-3"))},
+                 expected_crash={
+                     "fsdp1": "reshard_to needs FSDP2 (fully_shard) or FSDP1 HYBRID_SHARD with "
+                              "shard groups of one node (--fsdp1-sharding HYBRID_SHARD): the "
+                              "library refuses it on FSDP1 FULL_SHARD",
+                     "deepspeed": "reshard_to needs FSDP2 (fully_shard): the library refuses "
+                                  "it on ZeRO-3"},
                  not_applicable={"ddp": "DDP shards nothing: the library refuses reshard_to "
                                         "there, and keep_unsharded=False behaves as True; "
                                         "not run"}),

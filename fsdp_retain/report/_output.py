@@ -74,6 +74,11 @@ def _header(cfg: dict, unit: str, size: int) -> list[str]:
         "policy-gradient loss backward (random advantages), SGD step. FSDP units: each decoder "
         "layer plus the root. Library modes pass `backwards=2`.",
     ] + (
+        [f"- fsdp1: `HYBRID_SHARD` over shard groups of {cfg['node_size']} ranks (one node), "
+         f"replicated across {cfg['world_size'] // cfg['node_size']} nodes (a `device_mesh` "
+         f"of shape ({cfg['world_size'] // cfg['node_size']}, {cfg['node_size']}))."]
+        if cfg.get("fsdp1_sharding") == "HYBRID_SHARD" else []
+    ) + (
         ["- deepspeed: ZeRO-3 (`stage3_param_persistence_threshold: 0`, one gradient bucket of "
          "the model's size), SGD as a client optimizer, `engine.step()`. ZeRO-3 gathers per "
          "module and prefetches the traced order, so after the first step one coalesced "

@@ -18,7 +18,7 @@ from ._config import ReportConfig
 from ._hooks import NO_HOOKS, CountHooks, TimeHooks, TrackerCountHooks, TrackerHooks
 from ._memory import make_tracker
 from ._fit import unit_bytes
-from ._model import build_model, decoder_layers, fsdp_units, make_batch, param_bytes, wrap
+from ._model import build_model, decoder_layers, device_mesh, fsdp_units, make_batch, param_bytes, wrap
 from ._modes import MARKED_MODES, Mode
 from ._prefetch import PrefetchTimeline
 from ._step import train_step
@@ -112,10 +112,8 @@ class BackendRun:
             self.meta.setdefault("fsdp_units", gathered_units(self.model))
             return
         mesh = self.mesh
-        if self.backend == "fsdp2" and mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(self.device.type, (self.world,))
+        if mesh is None:
+            mesh = device_mesh(self.cfg, self.backend, self.device.type, self.world)
         self.model = wrap(model, self.backend, self.device, mesh,
                           bucket_cap_mb=self.cfg.ddp_bucket_cap_mb)
         if self.backend != "ddp":  # DDP's buckets are counted after a step (``count``)

@@ -21,7 +21,7 @@ from typing import Any
 
 from ._config import ReportConfig
 from ._forks import Forks, can_fork, default_jobs, frozen
-from ._model import make_batch
+from ._model import device_mesh, make_batch
 from ._modes import Mode
 from ._results import finish, merge_ranks
 from ._rows import ReportRow
@@ -72,7 +72,6 @@ def simulated_rank(cfg: ReportConfig, backend: str) -> Iterator[BackendRun]:
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
 
     try:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -89,7 +88,7 @@ def simulated_rank(cfg: ReportConfig, backend: str) -> Iterator[BackendRun]:
     device = torch.device("cpu")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,))  # not under FakeTensorMode
+        mesh = device_mesh(cfg, backend, "cpu", world)  # not under FakeTensorMode
         run = BackendRun(cfg, backend, device, 0, world, mesh=mesh, single_process=True)
         with FakeTensorMode():
             run.batch = make_batch(cfg, 0, device)
