@@ -210,6 +210,34 @@ def test_quickstart(fsdp):
     assert _blocks(out) == [expected] * steps
 
 
+def test_quickstart_first_screen_is_the_examples_own():
+    """The README's quick-start command, as written (its OMP_NUM_THREADS=1 included, the
+    rest of the environment without one): every line it prints, on stdout or stderr, is
+    one of the example's own. Without OMP_NUM_THREADS torchrun prints a 4-line banner;
+    without numpy torch warns "Failed to initialize NumPy" once per rank."""
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    (command,) = [line for line in readme.splitlines() if line.endswith("examples/quickstart.py")
+                  and "pip install" in line]
+    words = shlex.split(command.rsplit("&& ", 1)[1])
+    assignments = [w for w in words if "=" in w and not w.startswith("-")]
+    program = words[len(assignments):]
+    assert program[0] == ".venv/bin/torchrun", command
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(w.split("=", 1) for w in assignments)
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), *program[1:]]
+    proc = run_retrying_exit_abort(cmd, cwd=ROOT, env=env, timeout=TIMEOUT)
+    out = _check_ok(proc)
+    own = re.compile(r"FSDP2, 2 ranks, cpu, |max \|param difference\| vs two-forward: |max "
+                     r"relative difference of the task-loss grad norm: |median step: "
+                     r"|agreement: OK$")
+    lines = [line for line in (out + proc.stderr).splitlines() if line.strip()]
+    assert lines and all(own.match(line) for line in lines), proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize(
     "fsdp, method, shared",
     [(2, "pcgrad", False), (1, "pcgrad", False), (2, "upgrad", False), (2, "upgrad", True),
