@@ -59,6 +59,51 @@ class Span:
         """An exception: undo ``open`` without collectives."""
 
 
+class GradStashSpan(Span):
+    """The span of a backend whose parameters hold their own ``.grad`` and whose
+    reductions the block already holds for the whole pass (DDP, ZeRO stages 0-2).
+
+    [Note: nested passes on replicated gradients]
+    There the nested passes only accumulate into ``.grad``, and the end of the outer
+    pass reduces it once with the rest of the pass, as the policy says: a span of a pass
+    that computes gradients does nothing. A probe pass (``param_grads=False``) writes no
+    parameter gradient, but its tiles' passes are plain ``torch.autograd.backward`` calls
+    that accumulate into ``.grad`` (what the passes before it left there), and a later
+    reduction would fold them into the step. So in a probe pass the span sets aside what
+    the parameters hold when it opens (the tiles then write fresh tensors, never in place
+    into a held one, which may be a view of a bucket), and at the close, or on an
+    exception, drops what the tiles wrote and puts it back.
+    """
+
+    def __init__(self, params: list[Any], probing: bool) -> None:
+        self._params = params
+        self._stash = take_grads(params) if probing else None
+
+    def close(self) -> None:
+        stash, self._stash = self._stash, None
+        if stash is not None:
+            put_grads(self._params, stash)
+
+    def abort(self) -> None:
+        self.close()
+
+
+def take_grads(params: list[Any]) -> list[tuple[Any, Any]]:
+    """Sets aside the ``.grad`` of ``params`` (for ``put_grads``)."""
+    stash = [(p, p.grad) for p in params if p.grad is not None]
+    for param, _ in stash:
+        param.grad = None
+    return stash
+
+
+def put_grads(touched: list[Any], stash: list[tuple[Any, Any]]) -> None:
+    """Drops the ``.grad`` of ``touched`` and puts back what ``take_grads`` set aside."""
+    for param in touched:
+        param.grad = None
+    for param, grad in stash:
+        param.grad = grad
+
+
 class NestedPasses:
     """The open span of one block, and how deep the nested passes run."""
 

@@ -423,22 +423,30 @@ def per_loss_gramian() -> None:
 def nested_tiled_mlp() -> None:
     """A tiled MLP (a backward per tile inside the MLP's node), two passes, 4 tiles: one
     reduction per pass (``"every"``) whatever the tiles; plain DDP raises (a tile's
-    gradient marks a parameter ready once more)."""
+    gradient marks a parameter ready once more). A probe pass first (its tiles write
+    ``.grad``, which the block must drop; with ``gradient_as_bucket_view`` that ``.grad``
+    is a view of DDP's bucket) changes no gradient; a probe pass, first or last, reduces
+    nothing."""
     from tests.nested_models import loss1 as t1, loss2 as t2, make_tiled, tokens
 
-    def run(use_block: bool, sync: str = "every") -> float:
+    def run(use_block: bool, sync: str = "every", probe: str | None = None,
+            as_view: bool = False) -> float:
         module = make_tiled(tiles=4)
         ref_model = copy.deepcopy(module)
-        model = DDP(module)
+        model = DDP(module, gradient_as_bucket_view=as_view)
         error = 0.0
         for step_index in range(STEPS):
             x = tokens(dist.get_rank(), step_index)
             model.zero_grad()
             with count_collectives(modules=False) as counts:
-                with block_or_not(use_block, model, sync_grads=sync):
+                with block_or_not(use_block, model, sync_grads=sync) as block:
                     out = model(x)
                     t1(out).backward(retain_graph=True)
-                    t2(out).backward()
+                    if probe == "between":  # .grad holds what the probe must keep
+                        block.backward(t2(out), param_grads=False, retain_graph=True)
+                    t2(out).backward(retain_graph=probe == "last")
+                    if probe == "last":  # nothing left to reduce at the exit
+                        block.backward(t1(out), param_grads=False)
             if use_block:
                 assert counts.all_reduce == reductions(model, 2 if sync == "every" else 1)
             ref_model.zero_grad()
@@ -449,6 +457,10 @@ def nested_tiled_mlp() -> None:
 
     assert run(True) < TOL
     assert run(True, "last") < TOL
+    for sync, probe, as_view in (("every", "between", False), ("last", "between", True),
+                                 ("every", "last", True), ("last", "last", False)):
+        error = run(True, sync, probe, as_view)
+        assert error < TOL, (sync, probe, as_view, error)
     assert_plain_fails(lambda: run(False))
 
 

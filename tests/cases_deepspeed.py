@@ -15,6 +15,7 @@ The cases live in parts, one concern each, registered here in this order:
 - ``tests/cases_deepspeed_nested.py``: backward passes inside a backward (a tiled MLP,
   a cached loss).
 - ``tests/cases_deepspeed_zero12.py``: ZeRO stages 0, 1 and 2 (their own block).
+- ``tests/cases_deepspeed_zero12_nested.py``: ZeRO stages 0, 1 and 2 with a tiled MLP.
 
 ``tests/cases_deepspeed_common.py`` holds what they share (the model, the engine, the
 reference, ``Scenario`` and ``run_parity``, collective counting).
@@ -29,6 +30,7 @@ from tests import (
     cases_deepspeed_pass_starts,
     cases_deepspeed_state,
     cases_deepspeed_zero12,
+    cases_deepspeed_zero12_nested,
 )
 from tests.case_parts import combined
 
@@ -41,4 +43,5 @@ registry = combined(
     cases_deepspeed_loss_grads,
     cases_deepspeed_nested,
     cases_deepspeed_zero12,
+    cases_deepspeed_zero12_nested,
 )

@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO stages 0, 1 and 2 (part of ``tests/cases_deepspeed.py``; CPU, gloo, 2
 ranks): the block's parity grid, its settings, what plain DeepSpeed does, the refusals,
-per-loss gradients and a cached (GradCache) loss. See [Note: ZeRO stages 0-2 in the
-block] in ``fsdp_retain/_deepspeed/_zero12.py``.
+per-loss gradients and a cached (GradCache) loss; a tiled MLP is in
+``tests/cases_deepspeed_zero12_nested.py``. See [Note: ZeRO stages 0-2 in the block] in
+``fsdp_retain/_deepspeed/_zero12.py``.
 
 Parity: the tiny Qwen2 of ``tests/cases_deepspeed_common.py`` (seed 42 weights, inputs
 from ``42 + rank + 1``) against an unsharded copy whose gradients are averaged over the

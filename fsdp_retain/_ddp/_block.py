@@ -17,6 +17,9 @@ gradients] in ``_buckets.py``):
   block (the block reduces); DDP learns its static graph at its first step outside.
 - Probe passes differentiate against the inputs of every module with parameters
   of its own ([Note: probe passes] in ``_common.py``): no parameter gradient.
+- Backward passes nested in a pass (a tiled MLP's tiles) accumulate into ``.grad`` with
+  their pass, which reduces once; in a probe pass what they wrote is dropped ([Note:
+  nested passes on replicated gradients] in ``fsdp_retain/_nested.py``).
 - An exception: nothing is communicated; if a pass accumulated since the last
   reduction, every managed ``.grad`` is dropped (part of it is local to the rank).
 """
@@ -32,6 +35,7 @@ from .. import _pass_start
 from .._common import eager_modules, queue_callback, require_attr
 from .._lifecycle import BlockBase
 from .._loss_grads import GradSlots
+from .._nested import GradStashSpan, Span
 from .._grad_layout import per_param_layout
 from .._policy import RetainOptions
 from ._buckets import FLAVOUR, Buckets
@@ -131,7 +135,15 @@ class DDPBlock(BlockBase):
             self._reduce()
 
     def _on_accumulate(self, param: torch.Tensor) -> None:
-        self._accumulated = True
+        # A probe pass writes no parameter gradient: what its nested passes accumulate
+        # the span drops (see [Note: nested passes on replicated gradients]).
+        if not self.probing:
+            self._accumulated = True
+
+    def _open_span(self) -> Span:
+        # See [Note: nested passes on replicated gradients] in fsdp_retain/_nested.py.
+        assert self._buckets is not None
+        return GradStashSpan(self._buckets.params, self.probing)
 
     def _reduce(self) -> None:
         assert self._buckets is not None

@@ -1,5 +1,6 @@
 """What a ZeRO-3 block does for nested backward passes: see [Note: nested backward
-passes] in ``_nested.py``.
+passes] in ``_nested.py`` (stages 0-2 use ``GradStashSpan`` there: [Note: nested passes
+on replicated gradients]).
 
 Part of the DeepSpeed backend with ``_block.py`` (private DeepSpeed access).
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._nested import Span
+from .._nested import Span, put_grads, take_grads
 
 _MISSING = object()
 _REDUCE = "reduce_ready_partitions_and_remove_grads"
@@ -68,7 +69,7 @@ class DeepSpeedSpan(Span):
             self._own_release = coordinator.__dict__.get(release_name, _MISSING)
             coordinator.__dict__[release_name] = self._hold
         # A probe pass writes no parameter gradient: set aside what the parameters hold.
-        self._stash = _take_grads(params) if probing else None
+        self._stash = take_grads(params) if probing else None
 
     def _record(self, param: Any) -> None:
         self._touched[id(param)] = param
@@ -81,7 +82,7 @@ class DeepSpeedSpan(Span):
         touched = list(self._touched.values())
         self._touched.clear()
         if self._stash is not None:
-            _put_grads(touched, self._stash)
+            put_grads(touched, self._stash)
         else:
             queued = _queued(self._opt)
             for param in touched:
@@ -96,7 +97,7 @@ class DeepSpeedSpan(Span):
     def abort(self) -> None:
         self._restore()
         if self._stash is not None:
-            _put_grads(list(self._touched.values()), self._stash)
+            put_grads(list(self._touched.values()), self._stash)
         self._touched.clear()
         self._release_held()
 
@@ -124,17 +125,3 @@ class DeepSpeedSpan(Span):
 
 def _queued(optimizer: Any) -> set[int]:
     return {id(p) for bucket in optimizer.ipg_buckets.values() for p in bucket.params}
-
-
-def _take_grads(params: list[Any]) -> list[tuple[Any, Any]]:
-    stash = [(p, p.grad) for p in params if p.grad is not None]
-    for param, _ in stash:
-        param.grad = None
-    return stash
-
-
-def _put_grads(touched: list[Any], stash: list[tuple[Any, Any]]) -> None:
-    for param in touched:
-        param.grad = None
-    for param, grad in stash:
-        param.grad = grad

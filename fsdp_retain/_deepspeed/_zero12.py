@@ -25,6 +25,11 @@ exit of a block at the boundary the block finalizes that sum as the step reads i
 ZeRO-0 a flush all-reduces ``.grad`` (averaging is linear, so it may run per pass).
 ``keep_unsharded`` changes nothing here; ``reshard_to`` is refused.
 
+Backward passes inside a pass (a tiled MLP's tiles, [Note: nested backward passes] in
+``_nested.py``) accumulate into ``.grad`` like the rest of their pass, which reduces them
+once; in a probe pass the span drops what they wrote ([Note: nested passes on
+replicated gradients] in ``fsdp_retain/_nested.py``).
+
 A pass starts (``on_backward_start``) when it reaches a parameter's ``AccumulateGrad``
 node, the engine output or a probe target; a cached loss's replay, a pass nested in
 another model's backward, starts from the engine output's hook, as on ZeRO-3.
@@ -42,6 +47,7 @@ from .. import _pass_start
 from .._common import RetainError, eager_modules, grad_tensors, queue_callback, require_attr
 from .._lifecycle import BlockBase
 from .._loss_grads import GradSlots
+from .._nested import GradStashSpan, Span
 from .._policy import RetainOptions
 from ._engine import UNSCALED, check_engine_common, flavour, step_inside_block, zero_stage
 from ._zero12_reduce import FullGradSlots, Reducer, Zero0Reducer
@@ -161,6 +167,10 @@ class DeepSpeedZero12Block(BlockBase):
     def _flush(self) -> None:
         self._pending = False
         self._reducer.flush()
+
+    def _open_span(self) -> Span:
+        # See [Note: nested passes on replicated gradients] in fsdp_retain/_nested.py.
+        return GradStashSpan(self._reducer.params(), self.probing)
 
     # See [Note: per-loss gradients] in _loss_grads.py.
     def _check_grads(self) -> None:
