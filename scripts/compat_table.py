@@ -5,6 +5,9 @@ Called by scripts/torch_matrix.sh after each version; the results live in
 docs/compat.json (one entry per torch version, the latest run wins), and the
 markdown table is rendered from them. An entry's ``note`` (written by hand, e.g. a
 failure and its fix) is listed under the table; a new run of that version drops it.
+Each entry records the calibration the script measured in that venv before the tests
+(``python -m fsdp_retain.report calibrate``), shown beside the test time; entries from
+before it say "not recorded". ``--render`` only rewrites docs/compat.md from the JSON.
 """
 
 from __future__ import annotations
@@ -40,16 +43,25 @@ def render(entries: dict[str, dict]) -> str:
         "the modules in `tests/matrix_subset.txt` (what CI runs on the oldest and newest",
         "torch); the full-suite rows are the proof for each version.",
         "",
-        "| torch | suite | passed | failed | skipped | errors | test time | date | commit | command |",
-        "|---|---|--:|--:|--:|--:|--:|---|---|---|",
+        "The test time is the pytest run's wall time; beside it, the machine's calibration",
+        "measured in that venv just before the tests (`python -m fsdp_retain.report",
+        "calibrate`: seconds for a fixed Python loop / a fixed torch matmul loop, one thread;",
+        "a machine that takes twice as long on it runs the suite about half as fast; \"not",
+        "recorded\": a run from before the script measured it).",
+        "",
+        "| torch | suite | passed | failed | skipped | errors | test time | calibration (python / torch) | date | commit | command |",
+        "|---|---|--:|--:|--:|--:|--:|--:|---|---|---|",
     ]
     for version in sorted(entries, key=_version_key):
         e = entries[version]
         c = e["counts"]
+        calib = e.get("calibration")
+        speed = (f"{calib['python_s']:.3f} s / {calib['torch_s']:.3f} s" if calib
+                 else "not recorded")
         lines.append(
             f"| {version} | {'subset' if e['subset'] else 'full'} | {c['passed']} | "
             f"{c['failed']} | {c['skipped']} | {c['error']} | {e['seconds'] / 60:.1f} min | "
-            f"{e['date']} | {e.get('commit', '?')} | `{e['command']}` |"
+            f"{speed} | {e['date']} | {e.get('commit', '?')} | `{e['command']}` |"
         )
     notes = [f"- {v}: {entries[v]['note']}" for v in sorted(entries, key=_version_key)
              if entries[v].get("note")]
@@ -59,17 +71,41 @@ def render(entries: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def parse_calibration(line: str) -> dict[str, float] | None:
+    """The two values of ``python -m fsdp_retain.report calibrate``'s line; None for ""."""
+    if not line:
+        return None
+    found = re.search(r"calibration: python (\d+\.\d+) s, torch (\d+\.\d+) s", line)
+    if found is None:
+        raise ValueError(f"--calibration {line!r}: pass the line `python -m fsdp_retain.report "
+                         "calibrate` prints (calibration: python 0.095 s, torch 0.015 s ...), "
+                         "or leave it out")
+    return {"python_s": float(found.group(1)), "torch_s": float(found.group(2))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--version", required=True)
-    parser.add_argument("--result", required=True)
-    parser.add_argument("--seconds", type=int, required=True)
+    parser.add_argument("--render", action="store_true",
+                        help="only rewrite docs/compat.md from docs/compat.json")
+    parser.add_argument("--version")
+    parser.add_argument("--result")
+    parser.add_argument("--seconds", type=int)
     parser.add_argument("--subset", type=int, default=0)
-    parser.add_argument("--command", required=True)
+    parser.add_argument("--command")
     parser.add_argument("--commit", default="?")
+    parser.add_argument("--calibration", default="",
+                        help="the line `python -m fsdp_retain.report calibrate` printed in the venv")
     args = parser.parse_args()
     path = DOCS / "compat.json"
     entries = json.loads(path.read_text()) if path.exists() else {}
+    if args.render:
+        (DOCS / "compat.md").write_text(render(entries))
+        return
+    missing = [f"--{k}" for k in ("version", "result", "seconds", "command")
+               if getattr(args, k) is None]
+    if missing:
+        parser.error(f"{', '.join(missing)} required (or --render alone)")
+    calibration = parse_calibration(args.calibration)
     previous = entries.get(args.version)
     if args.subset and previous and not previous["subset"]:
         return  # a subset run never overwrites the full-suite proof
@@ -82,6 +118,8 @@ def main() -> None:
         "command": args.command,
         "commit": args.commit,
     }
+    if calibration is not None:
+        entries[args.version]["calibration"] = calibration
     path.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
     (DOCS / "compat.md").write_text(render(entries))
 

@@ -2,9 +2,10 @@
 """The figures the docs quote, written from the committed files they come from.
 
 README.md and the pages under docs/ quote figures from committed sources: the
-report.json files under docs/report/, docs/compat.json, and the H200 phase profile in
-fsdp_retain/report/_results.py. Each such figure sits inside a marker, and this script
-writes it from its source (the markers are HTML comments: GitHub shows the figure only).
+report.json files under docs/report/, docs/compat.json, docs/cpu_timings.json (CPU times
+with their calibration), and the H200 phase profile in fsdp_retain/report/_results.py.
+Each such figure sits inside a marker, and this script writes it from its source (the
+markers are HTML comments: GitHub shows the figure only).
 
 One figure::
 
@@ -41,8 +42,13 @@ Run it after regenerating a source, and commit the pages with the source.
 tests/test_docs_figures.py fails when a marked figure or block differs from what its
 source gives now, and when a page quotes a figure-like number (``0.77x``, ``10.8 MiB``,
 ``19%``, ``1.2 ms``, ``7.0M``) outside a marker, unless ALLOWED below names it with the
-reason it has no committed source. Pages a tool writes whole from its source
-(GENERATED_PAGES) are not scanned.
+reason it has no committed source. An absolute time (``30 s``, ``4.1 minutes``, ``1:47``)
+fails there too, also in code (pasted output): a CPU time says little without the speed
+of the machine that measured it, so each is a marker on a committed source that records
+its calibration (``python -m fsdp_retain.report calibrate``; ``scripts/cpu_timing.py``
+writes both, and ``derived calibration`` quotes it beside the time), or an ALLOWED entry
+whose reason says why it needs none (a limit, a GPU figure) or where its calibration is
+named. Pages a tool writes whole from its source (GENERATED_PAGES) are not scanned.
 """
 
 from __future__ import annotations
@@ -73,6 +79,10 @@ BLOCK = re.compile(r"<!-- begin: (?P<name>[\w-]+)(?P<args>[^\n]*?) -->\n(?P<body
 FIGURE_LIKE = re.compile(
     r"(?<![\w.])(?:[+-]?\d+(?:\.\d+)?(?:\s?/\s?[+-]?\d+(?:\.\d+)?)*\s?(?:KiB|MiB|GiB|TiB|KB|MB|GB)\b"
     r"|\d+\.\d+x\b|\d+(?:\.\d+)?%|\d+(?:\.\d+)?\s?ms\b|\d+\.\d+M\b)")
+# An absolute time: seconds to hours, or a wall clock's m:ss.
+TIME_LIKE = re.compile(
+    r"(?<![\w.])\d+(?:\.\d+)?\s?(?:ms|s|secs?|seconds?|min|mins|minutes?|h|hours?)\b"
+    r"|(?<![\w.:])\d{1,2}:[0-5]\d(?![\d:])")
 
 
 class FigureError(ValueError):
@@ -168,6 +178,22 @@ def _kept_units(path: str, label: str) -> int:
     return kept_count(cfg["unit_bytes"], int(fraction * cfg["unsharded_param_bytes"]))
 
 
+def _calibration(path: str, *wheres: str) -> str:
+    """The calibration recorded at each of ``wheres`` in a source (dicts of ``python_s``
+    and ``torch_s``: ``python -m fsdp_retain.report calibrate``), to name beside the CPU
+    times measured at it: one value per workload, or its range over them."""
+    values = [lookup(source(path), where) for where in wheres]
+    if not values or not all(isinstance(v, dict) and {"python_s", "torch_s"} <= v.keys()
+                             for v in values):
+        raise FigureError(f"calibration {path} {' '.join(wheres)}: name one or more dicts "
+                          "of python_s and torch_s (quickstart/calibration)")
+    parts = []
+    for name in ("python", "torch"):
+        low, high = (f"{f(v[f'{name}_s'] for v in values):.3f}" for f in (min, max))
+        parts.append(f"{name} {low} s" if low == high else f"{name} {low} to {high} s")
+    return ", ".join(parts)
+
+
 def _root_share(path: str) -> float:
     """The root unit's (embedding and output layer) share of the unsharded bytes."""
     cfg = source(path)["config"]
@@ -175,6 +201,7 @@ def _root_share(path: str) -> float:
 
 
 DERIVED: dict[str, Callable[..., Any]] = {
+    "calibration": _calibration,
     "column": _column,
     "h200_second_forward_share": _h200_second_forward_share,
     "h200_without_second_forward": lambda: 1 - _h200_second_forward_share(),
@@ -415,8 +442,14 @@ def compat_rows() -> str:
 
 def command_output(path: str) -> str:
     """A committed command's output (``fit``'s answer, a ``farm-bench`` timing), the command
-    in its first line after ``$``, as a code block; ARGS: the file."""
+    in its first line after ``$``, as a code block; ARGS: the file. Output with an absolute
+    time must name the calibration it ran at (a ``calibration:`` line, as ``fit``'s answers
+    and ``scripts/cpu_timing.py --output`` write)."""
     text = (ROOT / path).read_text()
+    if TIME_LIKE.search(text) and "calibration: python " not in text:
+        raise FigureError(f"<!-- begin: output {path} -->: its times name no calibration; add "
+                          "the line `python -m fsdp_retain.report calibrate` prints on the "
+                          "machine that ran it (scripts/cpu_timing.py --output does)")
     return "```\n" + text.rstrip("\n") + "\n```\n"
 
 
@@ -486,6 +519,8 @@ GENERATED_PAGES = [
 # The text matches across line breaks; an entry that no longer matches fails the test.
 GPU = "a GPU's memory size (H100 80 GB, H200 141 GB), not a measurement"
 NOT_COMMITTED = "a run whose output is not committed (its command is on the page)"
+LIMIT = "a limit or a budget, not a measurement"
+NOT_RECORDED = "a CPU time from before the calibration existed: the page says it was not recorded"
 ALLOWED: list[tuple[str, str, str]] = [
     ("docs/*.md", "80 GiB", GPU), ("docs/*.md", "141 GiB", GPU), ("docs/*.md", "80 GB", GPU),
     ("docs/report/README.md", "estimates 72.6 to 78.4 GiB per mode", NOT_COMMITTED),
@@ -494,15 +529,22 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("docs/report/README.md", "against 48 and 99 with the root first, for 2.7 GiB more",
      "the budget_fit runs before the budget's new order, in git history only"),
     ("docs/report/README.md", "the defaults 1.1 to 1.2 ms per step over the recipe (3.0 ms",
-     "scripts/bench_recipe.py's output, not committed"),
+     "scripts/bench_recipe.py's output, not committed; " + NOT_RECORDED),
     ("docs/report/README.md", "1.5 to 2.2 ms over the recipe with sync off for backward 1 "
-     "(3.3 to 4.4 ms before)", "scripts/bench_recipe.py's output, not committed"),
+     "(3.3 to 4.4 ms before)", "scripts/bench_recipe.py's output, not committed; " + NOT_RECORDED),
     ("docs/report/README.md", "(library / recipe 1.07x to 1.18x, `\"last\"` 0.93x to 1.11x "
      "in four runs)", "scripts/bench_recipe.py's output, not committed"),
-    ("docs/report/README.md", "at most 518 MiB resident", "/usr/bin/time, not committed"),
-    ("docs/report/README.md", "at most 528 MiB resident", "/usr/bin/time, not committed"),
-    ("docs/report/README.md", "at most 497 MiB resident, within 2 minutes and 8 GiB",
-     "/usr/bin/time, not committed; the issue's limits"),
+    ("docs/report/README.md", "within 2 minutes and 8 GiB", "the issue's limits"),
+    ("docs/report/README.md", "took 7.1 minutes wall (628 s user, 84 s system", NOT_RECORDED),
+    ("docs/report/README.md", "waited on a lock: 1:47 wall",
+     "its paragraph names its calibration (ddp/calibration.json, before and after the run)"),
+    ("docs/report/README.md", "peak 88.90 GiB per rank (13s)",
+     "a progress line's shape, not a timing claim"),
+    ("README.md", "Each call stays under 10 minutes", LIMIT),
+    ("docs/gpu_validation.md", "The default budget is 9 minutes per call", LIMIT),
+    ("docs/gpu_validation.md", "about 20 minutes in all (estimates, not yet measured: parity "
+     "2 minutes, each report backend 4, each benchmark 2 to 3)",
+     "an estimate for one H100, not a CPU run (the page says it is not yet measured)"),
     ("docs/report/README.md", "run within 10%", "the tolerance tests/test_report.py asserts"),
     ("docs/integrations/verl.md", "run within 10%", "the tolerance tests/test_report.py asserts"),
     ("docs/options.md", "separate benchmark gave 1.14x with FSDP2 and 0.98x",
@@ -510,7 +552,12 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("docs/options.md", "165 saved tensors / 104 MiB per forward",
      "scripts/bench_saved_tensor_check.py's output, not committed"),
     ("docs/integrations/bergson.md", "two-forward 49.3 ms, block 26.9 ms (1.83x)",
-     "examples/influence_bergson.py's output (FSDP1), not committed"),
+     "examples/influence_bergson.py's output (FSDP1), not committed; " + NOT_RECORDED),
+    ("docs/integrations/bergson.md", "median step: two-forward 53.6 ms, block 27.9 ms",
+     "examples/influence_bergson.py's output, pasted (bergson is not in the default venv); "
+     + NOT_RECORDED),
+    ("docs/integrations/bergson.md", "about 4 minutes on a 2-core CPU, 3 of them installing",
+     "mostly the install's download; " + NOT_RECORDED),
     ("docs/backends.md", "the test sees 16% of the embedding's elements wrong",
      "what a test observed (tests/cases_deepspeed*.py)"),
     ("docs/backends.md", "bf16 (5% of each tensor's scale", "a test tolerance"),
@@ -546,20 +593,26 @@ def _blank(text: str, spans: list[tuple[int, int]]) -> str:
 
 
 def unmarked(page: str, text: str) -> list[str]:
-    """Figure-like numbers outside markers, generated blocks and ALLOWED text."""
+    """Figure-like numbers outside markers, generated blocks, code and ALLOWED text, and
+    absolute times outside markers, generated blocks and ALLOWED text."""
     if any(fnmatch.fnmatch(page, g) for g in GENERATED_PAGES):
         return []
     spans = [m.span() for m in FIG.finditer(text)] + [m.span() for m in BLOCK.finditer(text)]
     spans += [m.span() for m in re.finditer(r"<!--.*?-->", text, re.S)]
-    # Code: commands (their inputs, `--gpu-memory 80GiB`) and program output pasted as it
-    # printed; a marker inside code would show, so figures there cannot be marked.
-    fenced = [m.span() for m in re.finditer(r"^```.*?^```", text, re.S | re.M)]
-    spans += fenced + [m.span() for m in re.finditer(r"`[^`]+`", _blank(text, fenced))]
     spans += _allowed_spans(page, text)
-    rest = _blank(text, spans)
-    return [f"line {rest.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r} in "
-            f"{text.splitlines()[rest.count(chr(10), 0, m.start())].strip()!r}"
-            for m in FIGURE_LIKE.finditer(rest)]
+    # Code: commands (their inputs, `--gpu-memory 80GiB`) and program output pasted as it
+    # printed; a marker inside code would show, so figures there cannot be marked. A time
+    # there is checked all the same: pasted output (an `output` block instead names its
+    # calibration in its file).
+    fenced = [m.span() for m in re.finditer(r"^```.*?^```", text, re.S | re.M)]
+    code = fenced + [m.span() for m in re.finditer(r"`[^`]+`", _blank(text, fenced))]
+    found = {m.start(): repr(m.group(0))
+             for m in FIGURE_LIKE.finditer(_blank(text, spans + code))}
+    for m in TIME_LIKE.finditer(_blank(text, spans)):
+        found.setdefault(m.start(), f"{m.group(0)!r} (a time: name its calibration)")
+    lines = text.splitlines()
+    return [f"line {text.count(chr(10), 0, at) + 1}: {found[at]} in "
+            f"{lines[text.count(chr(10), 0, at)].strip()!r}" for at in sorted(found)]
 
 
 def unused_allowances() -> list[str]:

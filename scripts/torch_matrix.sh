@@ -12,8 +12,10 @@
 # extra under a constraint that pins that torch (so nothing replaces
 # it), runs `python -m pytest -q`, and is deleted afterwards (KEEP_VENVS=1 keeps
 # it). Registry builds of torch carry CUDA but run on CPU; each venv is ~5 GB.
-# MATRIX_RECORD=0 (CI) leaves docs/compat.* alone; MATRIX_VENV_DIR (default $TMPDIR or
-# /tmp) is where the venvs go.
+# Recording, it measures the machine's calibration in the venv just before the tests
+# (python -m fsdp_retain.report calibrate), which compat.md shows beside the test time.
+# MATRIX_RECORD=0 (CI) leaves docs/compat.* alone and skips it; MATRIX_VENV_DIR (default
+# $TMPDIR or /tmp) is where the venvs go.
 # A machine-wide pip constraint (e.g. torch<=2.14.1 in /etc/xdg/pip) would refuse the
 # version asked for: these installs do not take it (uv does not read it; with pip,
 # PIP_CONSTRAINT=/dev/null; index settings are kept) and pin the venv's own torch with
@@ -79,6 +81,12 @@ for version in "$@"; do
       result="venv has torch $got, not $version"
     fi
   fi
+  calibration=""
+  if [ -z "$result" ] && [ "${MATRIX_RECORD:-1}" = 1 ]; then
+    # The machine's speed, in this venv, just before its tests: recorded beside their time.
+    calibration=$("$venv/bin/python" -m fsdp_retain.report calibrate 2>>"$log") || calibration=""
+    echo "   $calibration"
+  fi
   if [ -z "$result" ]; then
     "$venv/bin/python" -m pytest "${pytest_args[@]}" >>"$log" 2>&1
     rc=$?
@@ -99,7 +107,7 @@ for version in "$@"; do
     awk '/^___+ .* ___+$/ {n++} n == 1' "$log" | grep -E '^E ' | head -n 120 | sed 's/^/   | /'
   fi
   [ "${MATRIX_RECORD:-1}" = 1 ] && "$python" scripts/compat_table.py --version "$version" --result "$result" \
-    --seconds $((end - installed)) --subset "$subset" \
+    --seconds $((end - installed)) --subset "$subset" --calibration "$calibration" \
     --commit "$commit" --command "scripts/torch_matrix.sh $([ "$subset" = 1 ] && echo '--subset ')$version"
   if [ "${KEEP_VENVS:-0}" != 1 ]; then
     rm -rf "$venv" "$constraints"

@@ -31,12 +31,15 @@ def test_marked_figures_match_their_sources(page):
 @pytest.mark.parametrize("page", PAGES)
 def test_no_figure_outside_a_marker(page):
     """A ratio, memory size, percentage, millisecond or parameter count outside a marker
-    fails, unless docs_figures.ALLOWED names it with the reason it has no source."""
+    fails, unless docs_figures.ALLOWED names it with the reason it has no source; so does
+    an absolute time (also in code), unless ALLOWED says why it needs no calibration or
+    where its calibration is named."""
     found = docs_figures.unmarked(page, (ROOT / page).read_text())
     assert not found, (
         f"{page}: figures outside a marker: write each as <!-- fig: SOURCE PATH fmt=... -->"
-        "...<!-- /fig --> (scripts/docs_figures.py), or, with no committed source, add it to "
-        "ALLOWED with the reason:\n" + "\n".join(found))
+        "...<!-- /fig --> (scripts/docs_figures.py; a CPU time from a source that records its "
+        "calibration, scripts/cpu_timing.py, named beside it with `derived calibration`), or, "
+        "with no committed source, add it to ALLOWED with the reason:\n" + "\n".join(found))
 
 
 def test_every_allowance_still_matches():
@@ -64,6 +67,69 @@ def test_the_checks_fail_on_a_changed_or_unmarked_figure():
     assert "'0.77x'" in problem
     with pytest.raises(docs_figures.FigureError, match="no 'step_ms' here"):
         docs_figures.figure("docs/report/report.json rows[backend=fsdp2,label=naive]/step_ms")
+
+
+def test_times_name_their_calibration():
+    """An absolute time outside a marker fails, in prose and in pasted output; one inside
+    a marker, or in an `output` block (its file names its calibration), does not."""
+    text = (ROOT / "docs/gpu_validation.md").read_text()
+    assert not docs_figures.unmarked("docs/gpu_validation.md", text)
+    for added, found in [("The dry run took 47 s.", "'47 s'"),
+                         ("It took 4.1 minutes wall.", "'4.1 minutes'"),
+                         ("```\nstep took 1:47\n```", "'1:47'"),
+                         ("Each mode `(13s)`.", "'13s'")]:
+        (problem,) = docs_figures.unmarked("docs/gpu_validation.md", text + f"\n{added}\n")
+        assert found in problem and "a time" in problem, problem
+    for fine in ["3 steps, 2 sequences, rows 1 to 2, 8 ranks.", "torch 2.13.0 on 2026-11-27."]:
+        assert not docs_figures.unmarked("docs/gpu_validation.md", text + f"\n{fine}\n")
+    spec = "derived calibration docs/cpu_timings.json quickstart/calibration"
+    marked = f"<!-- fig: {spec} -->{docs_figures.figure(spec)}<!-- /fig -->"
+    assert " s, torch " in marked
+    assert not docs_figures.unmarked("docs/gpu_validation.md", text + f"\n{marked}\n")
+
+
+def test_output_blocks_with_times_name_their_calibration(tmp_path, monkeypatch):
+    """An `output` block's file that shows a time must carry a calibration line."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs/out.txt").write_text("$ run\nmedian step 12.5 ms\n")
+    monkeypatch.setattr(docs_figures, "ROOT", tmp_path)
+    with pytest.raises(docs_figures.FigureError, match="name no calibration"):
+        docs_figures.table("output", "docs/out.txt")
+    (tmp_path / "docs/out.txt").write_text(
+        "$ run\n# machine: calibration: python 0.090 s, torch 0.015 s\nmedian step 12.5 ms\n")
+    assert "12.5 ms" in docs_figures.table("output", "docs/out.txt")
+
+
+def test_calibration_figure():
+    """``derived calibration``: the two values, or their range over several records."""
+    ddp = docs_figures.source("docs/report/ddp/calibration.json")
+    assert docs_figures.figure("derived calibration docs/report/ddp/calibration.json before") \
+        == f"python {ddp['before']['python_s']:.3f} s, torch {ddp['before']['torch_s']:.3f} s"
+    both = docs_figures.figure("derived calibration docs/report/ddp/calibration.json before after")
+    low, high = sorted(ddp[k]["python_s"] for k in ("before", "after"))
+    assert both.startswith(f"python {low:.3f} s" if low == high
+                           else f"python {low:.3f} to {high:.3f} s"), both
+    with pytest.raises(docs_figures.FigureError, match="dicts of python_s and torch_s"):
+        docs_figures.figure("derived calibration docs/report/ddp/calibration.json command")
+
+
+def test_compat_rows_show_their_calibration():
+    """scripts/compat_table.py: a row's test time with the calibration torch_matrix.sh
+    measured in its venv, "not recorded" for a row from before; a bad line names the fix."""
+    spec = importlib.util.spec_from_file_location("compat_table", ROOT / "scripts" / "compat_table.py")
+    assert spec is not None and spec.loader is not None
+    compat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compat)
+    line = "calibration: python 0.095 s, torch 0.015 s (one thread; python -m fsdp_retain.report calibrate)"
+    row = {"counts": {"passed": 3, "failed": 0, "skipped": 0, "error": 0}, "seconds": 600,
+           "subset": False, "date": "2026-11-27", "command": "scripts/torch_matrix.sh 9.9"}
+    page = compat.render({"9.9": {**row, "calibration": compat.parse_calibration(line)},
+                          "9.8": row})
+    assert "| 10.0 min | 0.095 s / 0.015 s |" in page
+    assert "| 10.0 min | not recorded |" in page
+    assert compat.parse_calibration("") is None
+    with pytest.raises(ValueError, match="pass the line"):
+        compat.parse_calibration("calibrate: command not found")
 
 
 def test_figure_paths_select_rows_and_format():
