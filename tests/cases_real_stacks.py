@@ -29,6 +29,11 @@ in one of its parts, with the stack in its name and docstring.
   kept, the others re-gathered, after a probe pass.
 - **DDP** (what HF Trainer and accelerate set up by default): HF Qwen2 with every
   kind of checkpointing, ``static_graph`` and ``find_unused_parameters``, peft LoRA.
+- **A tiled MLP** (the patch axolotl and Liger-Kernel apply to a decoder's MLP: a
+  backward per sequence tile inside the MLP's backward) in HF Qwen2 on FSDP2, FSDP1
+  (both ``use_orig_params``) and DDP, with and without non-reentrant checkpointing: a
+  probe pass through the tiles, then real passes; peft LoRA with adapters in the MLP;
+  plain DDP raises, or with ``static_graph`` is wrong.
 
 Parity is against an unsharded reference (deep copy before wrapping, the
 same checkpointing, gradients averaged over ranks) over 3 SGD-momentum steps.
@@ -38,9 +43,10 @@ Qwen2, LoRA, frozen embedding), ``tests/cases_real_stacks_reentrant.py``
 (``torch.utils.checkpoint``), ``tests/cases_real_stacks_guards.py`` (a forward
 before the block, the FSDP1 guards), ``tests/cases_real_stacks_hooks.py`` (hooks
 for one pass), ``tests/cases_real_stacks_budget.py`` (a byte budget under
-torch.compile and with LoRA), ``tests/cases_real_stacks_ddp.py`` (HF Qwen2 and LoRA
-on DDP). The HF model, its wrapping and the RL parity check
-are ``tests/real_stacks_hf.py``'s.
+torch.compile and with LoRA), ``tests/cases_real_stacks_wrappers.py`` (the block
+where trainers put it), ``tests/cases_real_stacks_ddp.py`` (HF Qwen2 and LoRA on
+DDP), ``tests/cases_real_stacks_tiled.py`` (a tiled MLP). The HF model, its wrapping
+and the RL parity check are ``tests/real_stacks_hf.py``'s.
 """
 
 from tests import (
@@ -50,6 +56,7 @@ from tests import (
     cases_real_stacks_hf,
     cases_real_stacks_hooks,
     cases_real_stacks_reentrant,
+    cases_real_stacks_tiled,
     cases_real_stacks_wrappers,
 )
 from tests.case_parts import combined
@@ -62,4 +69,5 @@ registry = combined(
     cases_real_stacks_budget,
     cases_real_stacks_wrappers,
     cases_real_stacks_ddp,
+    cases_real_stacks_tiled,
 )

@@ -209,14 +209,14 @@ def assert_close_dicts_tol(actual, expected, what: str) -> None:
         )
 
 
-def lora_qwen2(ckpt: str) -> nn.Module:
-    """peft ``get_peft_model`` on the tiny Qwen2 (q_proj and v_proj adapters): the
-    base and the embedding are frozen, so decoder layer 0's input needs no gradient."""
+def lora_qwen2(ckpt: str, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> nn.Module:
+    """peft ``get_peft_model`` on the tiny Qwen2 (adapters on ``targets``): the base
+    and the embedding are frozen, so decoder layer 0's input needs no gradient."""
     from peft import LoraConfig, get_peft_model
 
     model = tiny_qwen2(ckpt)
     torch.manual_seed(7)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets))
     model = get_peft_model(model, config)
     for module in model.modules():
         if hasattr(module, "lora_B"):

@@ -2,8 +2,9 @@
 non-reentrant gradient checkpointing on FSDP1 (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD
 at world size 4; both use_orig_params) and FSDP2, every option, probe passes;
 torch.utils.checkpoint(use_reentrant=True) inside and around units; a forward before
-the block; the FSDP1 guards; peft LoRA; a byte budget; HF Qwen2 and LoRA on DDP
-(tests/cases_real_stacks.py).
+the block; the FSDP1 guards; peft LoRA; a byte budget; HF Qwen2 and LoRA on DDP; HF
+Qwen2 with a tiled MLP (axolotl's and Liger's patch) on FSDP2, FSDP1 and DDP with probe
+passes (tests/cases_real_stacks.py).
 FSDP2 HSDP, activation offload, two models in two blocks
 (tests/cases_real_stacks_compose.py)."""
 
