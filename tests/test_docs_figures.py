@@ -31,7 +31,7 @@ def test_marked_figures_match_their_sources(page):
 @pytest.mark.parametrize("page", PAGES)
 def test_no_figure_outside_a_marker(page):
     """A ratio, memory size, percentage, millisecond or parameter count outside a marker
-    fails, unless docs_figures.ALLOWED names it with the reason it has no source; so does
+    fails, unless ALLOWED (scripts/docs_scan.py) names it with the reason it has no source; so does
     an absolute time (also in code), unless ALLOWED says why it needs no calibration or
     where its calibration is named."""
     found = docs_figures.unmarked(page, (ROOT / page).read_text())
@@ -39,7 +39,7 @@ def test_no_figure_outside_a_marker(page):
         f"{page}: figures outside a marker: write each as <!-- fig: SOURCE PATH fmt=... -->"
         "...<!-- /fig --> (scripts/docs_figures.py; a CPU time from a source that records its "
         "calibration, scripts/cpu_timing.py, named beside it with `derived calibration`), or, "
-        "with no committed source, add it to ALLOWED with the reason:\n" + "\n".join(found))
+        "with no committed source, add it to ALLOWED in scripts/docs_scan.py with the reason:\n" + "\n".join(found))
 
 
 def test_every_allowance_still_matches():
