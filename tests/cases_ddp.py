@@ -426,14 +426,14 @@ def nested_tiled_mlp() -> None:
     gradient marks a parameter ready once more). A probe pass first (its tiles write
     ``.grad``, which the block must drop; with ``gradient_as_bucket_view`` that ``.grad``
     is a view of DDP's bucket) changes no gradient; a probe pass, first or last, reduces
-    nothing."""
+    nothing; the same with ``static_graph`` and ``find_unused_parameters``."""
     from tests.nested_models import loss1 as t1, loss2 as t2, make_tiled, tokens
 
     def run(use_block: bool, sync: str = "every", probe: str | None = None,
-            as_view: bool = False) -> float:
+            as_view: bool = False, **ddp: Any) -> float:
         module = make_tiled(tiles=4)
         ref_model = copy.deepcopy(module)
-        model = DDP(module, gradient_as_bucket_view=as_view)
+        model = DDP(module, gradient_as_bucket_view=as_view, **ddp)
         error = 0.0
         for step_index in range(STEPS):
             x = tokens(dist.get_rank(), step_index)
@@ -461,6 +461,10 @@ def nested_tiled_mlp() -> None:
                                  ("every", "last", True), ("last", "last", False)):
         error = run(True, sync, probe, as_view)
         assert error < TOL, (sync, probe, as_view, error)
+    for sync, ddp in (("every", dict(static_graph=True)),
+                      ("last", dict(find_unused_parameters=True))):
+        error = run(True, sync, "between", **ddp)
+        assert error < TOL, (sync, ddp, error)
     assert_plain_fails(lambda: run(False))
 
 
