@@ -13,7 +13,9 @@ first pass's loss is the largest, so a lost pass shows (plain ZeRO-1/2: ~100%).
 
 Collectives per micro-batch inside the block (``all_reduce``: DeepSpeed reduces the
 gradients of this model with one all-reduce per flush on gloo): one per pass that
-computes gradients with ``sync_grads="every"``, one with ``"last"``.
+computes gradients with ``sync_grads="every"``, one with ``"last"``; with gradient
+accumulation on ZeRO-0 and ZeRO-1 none off the boundary, as plain DeepSpeed
+(``collectives``; ``zero12_gas2_*`` count plain DeepSpeed beside the block).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Z12:
     overlap: bool = False
     contiguous: bool = True
     offload: bool = False
+    accum_fp32: bool = False  # fp16/bf16 gradients accumulated in fp32 (grad_accum)
     clip: float = 0.0
     probe_first: bool = False
     use_block: bool = True
@@ -82,6 +85,8 @@ class Z12:
         }
         if self.fp16:
             config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        if self.accum_fp32:
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
         return config
 
     @property
@@ -152,9 +157,22 @@ def grads_of(engine, scenario: Z12) -> dict:
     return grads
 
 
-def run(scenario: Z12) -> float:
+def collectives(scenario: Z12, micro: int) -> int:
+    """The all-reduces of micro-batch ``micro``: one per pass that computes gradients
+    (``sync_grads="every"``; plain DeepSpeed: one per ``engine.backward``) or one
+    (``"last"``). With gradient accumulation ZeRO-0 and ZeRO-1 reduce nothing off the
+    boundary (DeepSpeed's ``allreduce_gradients``), the block neither; ZeRO-2 reduces
+    every micro-batch."""
+    if scenario.stage < 2 and micro < scenario.gas - 1:
+        return 0
+    real = scenario.passes - int(scenario.probe_first)
+    return real if scenario.sync == "every" or not scenario.use_block else 1
+
+
+def run(scenario: Z12, seen: list | None = None) -> float:
     """Parity over ``scenario.steps`` steps; returns the largest relative gradient error
-    (for the plain runs, which are expected to fail the parity)."""
+    (for the plain runs, which are expected to fail the parity). ``seen`` gets the
+    all-reduces of each micro-batch."""
     engine, ref, ref_opt = engine_for(scenario)
     tol = TOL_ACCUMULATED if scenario.gas > 1 else TOL
     worst = 0.0
@@ -164,9 +182,10 @@ def run(scenario: Z12) -> float:
             with counting() as counts:
                 micro_step(engine, scenario, step, micro)
             counts = dict(counts)
+            if seen is not None:
+                seen.append(counts.get("all_reduce", 0))
             if scenario.use_block:
-                real = scenario.passes - int(scenario.probe_first)
-                want = real if scenario.sync == "every" else 1
+                want = collectives(scenario, micro)
                 assert counts.get("all_reduce", 0) == want, (step, micro, counts, want)
             if micro == scenario.gas - 1:
                 grads = grads_of(engine, scenario)
@@ -202,9 +221,9 @@ for _stage in (0, 1, 2):
                               engine_backward=(True, False)), strength=2):
         _add(stage=_stage, **_row)
 
-# The settings, each on stage 1 and 2 with both sync_grads values between them.
+# The settings, each on stage 1 and 2 with both sync_grads values between them
+# (gradient accumulation: zero12_gas2_* below).
 SETTINGS = (
-    dict(gas=2),
     dict(overlap=True),
     dict(contiguous=False),
     dict(bf16=True),
@@ -214,15 +233,108 @@ SETTINGS = (
     dict(probe_first=True, passes=3),
 )
 for _extra in SETTINGS:
-    for _stage, _sync in ((1, "last"), (2, "every")) if _extra != SETTINGS[0] else (
-            (1, "every"), (1, "last"), (2, "every"), (2, "last")):
+    for _stage, _sync in ((1, "last"), (2, "every")):
         _add(stage=_stage, sync=_sync, **_extra)
-_add(stage=0, gas=2, sync="every")
 _add(stage=0, gas=2, sync="last", engine_backward=False)
 _add(stage=0, clip=0.05)
 _add(stage=0, probe_first=True, passes=3, engine_backward=False)
 _add(stage=2, gas=2, sync="last", backwards=True, overlap=True)
 _add(stage=1, gas=2, sync="every", offload=True, clip=0.05)
+
+
+# Gradient accumulation: the collectives per micro-batch beside plain DeepSpeed's #
+def _gas2(stage: int, sync: str, passes: int) -> None:
+    """``gradient_accumulation_steps: 2``: parity over 3 steps, and the all-reduces of
+    each micro-batch by ``collectives`` (ZeRO-0/1: none off the boundary, then the
+    policy's count; ZeRO-2: the policy's count in every micro-batch). Plain DeepSpeed
+    with ``engine.backward`` per pass, counted the same way (its gradients are wrong on
+    ZeRO-1/2): one per ``engine.backward``, on ZeRO-0/1 at the boundary only (none off
+    it, as the block)."""
+    scenario = Z12(stage=stage, sync=sync, passes=passes, gas=2)
+    seen: list = []
+    run(scenario, seen)
+    want = [collectives(scenario, micro) for micro in range(scenario.gas)]
+    assert seen == want * scenario.steps, (seen, want)
+    plain = dataclasses.replace(scenario, use_block=False, steps=1)
+    plain_seen: list = []
+    run(plain, plain_seen)
+    plain_want = [collectives(plain, micro) for micro in range(plain.gas)]
+    assert plain_seen == plain_want, (plain_seen, plain_want)
+    if stage < 2:  # DeepSpeed reduces nothing off the boundary, the block neither
+        assert seen[0] == plain_seen[0] == 0, (seen, plain_seen)
+    print(f"ZeRO-{stage} gas 2, {passes} passes, {sync}: all-reduces per micro-batch "
+          f"{seen[:2]} (plain DeepSpeed {plain_seen})", flush=True)
+
+
+for _stage in (0, 1, 2):
+    for _sync in ("every", "last"):
+        for _passes in (2, 3):
+            registry.add(f"zero12_gas2_stage{_stage}_{_sync}_passes{_passes}",
+                         lambda s=_stage, y=_sync, p=_passes: _gas2(s, y, p))
+
+
+def _gas2_fp32_accumulation(sync: str, passes: int) -> None:
+    """fp16 accumulated in fp32 on ZeRO-1 (``grad_accum_dtype: fp32``, its
+    ``grad_accum``): off the boundary the block moves ``.grad`` into it, as DeepSpeed's
+    backward epilogue. One step: with gas 2 the second one overflows the loss scale, in
+    plain DeepSpeed too (which skips it; the reference does not)."""
+    scenario = Z12(stage=1, fp16=True, accum_fp32=True, gas=2, sync=sync, passes=passes,
+                   steps=1)
+    engine, _, _ = engine_for(scenario)
+    assert engine.optimizer.use_grad_accum_attribute
+    run(scenario)
+
+
+registry.add("zero12_gas2_fp32_accumulation_every", lambda: _gas2_fp32_accumulation("every", 2))
+registry.add("zero12_gas2_fp32_accumulation_last", lambda: _gas2_fp32_accumulation("last", 3))
+
+
+@registry.case()
+def zero12_gas_exception_drops_held() -> None:
+    """An exception off the boundary (ZeRO-0/1, gas 3): no collective, and every local
+    gradient is dropped, the earlier micro-batch's held one included (none of it was
+    reduced)."""
+    for stage in (0, 1):
+        scenario = Z12(stage=stage, gas=3)
+        engine, _, _ = engine_for(scenario)
+        params = [p for p in engine.module.parameters() if p.requires_grad]
+        with counting() as counts:
+            micro_step(engine, scenario, 0, 0)
+            assert any(p.grad is not None for p in params), stage  # held for the boundary
+            engine.step()
+            with contextlib.suppress(KeyError), no_reshard_between_backwards(engine):
+                out = engine(tokens(0, 1)).logits
+                engine.backward(loss(out, 0), retain_graph=True)
+                raise KeyError("boom")
+        assert not counts.get("all_reduce"), dict(counts)
+        assert all(p.grad is None for p in params), stage
+
+
+def _params_per_step(scenario: Z12) -> list[dict]:
+    engine, _, _ = engine_for(scenario)
+    params = []
+    for step in range(scenario.steps):
+        for micro in range(scenario.gas):
+            micro_step(engine, scenario, step, micro)
+            engine.step()
+        params.append(params_of(engine))
+    return params
+
+
+@registry.case()
+def zero12_gas2_one_pass_is_plain_deepspeed() -> None:
+    """One ``engine.backward`` per micro-batch, gas 2, 3 steps: the block's parameters
+    equal plain DeepSpeed's bit for bit on ZeRO-0 and ZeRO-1 (it accumulates and reduces
+    as DeepSpeed does: in ``.grad``, or ``grad_accum``, then once at the boundary),
+    also in bf16, where the step's rounding follows that order."""
+    for fields in (dict(stage=0), dict(stage=1), dict(stage=1, bf16=True),
+                   dict(stage=1, bf16=True, accum_fp32=True, offload=True)):
+        scenario = Z12(passes=1, gas=2, **fields)
+        block = _params_per_step(scenario)
+        plain = _params_per_step(dataclasses.replace(scenario, use_block=False))
+        for step, (got, want) in enumerate(zip(block, plain)):
+            for name, value in want.items():
+                assert torch.equal(got[name], value), (fields, step, name)
 
 
 # What plain DeepSpeed does with the same code #
@@ -296,39 +408,56 @@ def zero12_refusals() -> None:
 
 
 # Per-loss gradients #
-def _loss_grads(stage: int) -> None:
-    """``block.grads`` per loss: the full averaged gradients; their Gramian and sum."""
-    scenario = Z12(stage=stage, passes=2)
+def _loss_grads(stage: int, gas: int = 1) -> None:
+    """``block.grads`` per loss: the full averaged gradients; their Gramian and sum.
+    With ``gas`` 2 on ZeRO-0/1 an off-boundary block reduces nothing but each loss's
+    gradient (``block.grads`` all-reduces it itself); the sum ``apply_grads`` wrote
+    waits in ``.grad`` and the boundary micro-batch's exit reduces it with its own."""
+    scenario = Z12(stage=stage, passes=2, gas=gas)
     engine, ref, ref_opt = engine_for(scenario)
+    tol = TOL_ACCUMULATED if gas > 1 else TOL
     for step in range(3):
-        out = ref(tokens(step)).logits
         per_loss = []
-        for i in range(2):
-            grads = torch.autograd.grad(loss(out, i), list(ref.parameters()), retain_graph=True)
-            for param, grad in zip(ref.parameters(), grads):
-                param.grad = grad
-            per_loss.append(averaged_grads(ref))
+        for micro in range(gas):
+            out = ref(tokens(step, micro)).logits
+            per_loss.append([])
+            for i in range(2):
+                grads = torch.autograd.grad(loss(out, i) / gas, list(ref.parameters()),
+                                            retain_graph=True)
+                for param, grad in zip(ref.parameters(), grads):
+                    param.grad = grad
+                per_loss[micro].append(averaged_grads(ref))
         ref_opt.zero_grad()
         expected = reference_step(ref, ref_opt, scenario, step)
-        with no_reshard_between_backwards(engine) as block:
-            out = engine(tokens(step)).logits
-            got = [block.grads(loss(out, i), retain_graph=i == 0) for i in range(2)]
-            gram = fsdp_retain.gramian(got)
-            fsdp_retain.apply_grads(fsdp_retain.combine(got, [1.0, 1.0]))
-        names = got[0].names
-        for i in range(2):
-            values = dict(zip(names, got[i].values))
-            assert_close({n: values[n].view_as(per_loss[i][n]) for n in names}, per_loss[i],
-                         f"step {step}: loss {i}")
-        flat = [torch.cat([per_loss[i][n].reshape(-1) for n in names]).double() for i in range(2)]
-        want = torch.stack([torch.stack([a @ b for b in flat]) for a in flat])
-        torch.testing.assert_close(gram, want, rtol=1e-4, atol=1e-9)
-        assert_close(full_grads(engine), expected, f"step {step}: grads")
-        engine.step()
+        for micro in range(gas):
+            with counting() as counts, no_reshard_between_backwards(engine) as block:
+                out = engine(tokens(step, micro)).logits
+                got = [block.grads(loss(out, i), retain_graph=i == 0) for i in range(2)]
+                gram = fsdp_retain.gramian(got)
+                fsdp_retain.apply_grads(fsdp_retain.combine(got, [1.0, 1.0]))
+            exit_flush = int(not (stage < 2 and micro < gas - 1))
+            assert counts["all_reduce"] == 2 + exit_flush, (micro, dict(counts))
+            names = got[0].names
+            want_grads = per_loss[micro]
+            for i in range(2):
+                values = dict(zip(names, got[i].values))
+                assert_close({n: values[n].view_as(want_grads[i][n]) for n in names},
+                             want_grads[i], f"step {step} micro {micro}: loss {i}")
+            flat = [torch.cat([want_grads[i][n].reshape(-1) for n in names]).double()
+                    for i in range(2)]
+            want = torch.stack([torch.stack([a @ b for b in flat]) for a in flat])
+            torch.testing.assert_close(gram, want, rtol=1e-4, atol=1e-9)
+            if micro == gas - 1:
+                assert_close(full_grads(engine), expected, f"step {step}: grads", tol=tol)
+            engine.step()
+        ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+        assert_close(params_of(engine), ref_params, f"step {step}: params", tol=tol)
 
 
 registry.add("zero12_loss_grads_stage0", lambda: _loss_grads(0))
 registry.add("zero12_loss_grads_stage2", lambda: _loss_grads(2))
+registry.add("zero12_loss_grads_gas2_stage0", lambda: _loss_grads(0, gas=2))
+registry.add("zero12_loss_grads_gas2_stage1", lambda: _loss_grads(1, gas=2))
 
 
 # A cached (GradCache) loss: sentence-transformers#3173 #

@@ -25,6 +25,18 @@ exit of a block at the boundary the block finalizes that sum as the step reads i
 ZeRO-0 a flush all-reduces ``.grad`` (averaging is linear, so it may run per pass).
 ``keep_unsharded`` changes nothing here; ``reshard_to`` is refused.
 
+With gradient accumulation DeepSpeed itself reduces nothing off the boundary on ZeRO-0
+and ZeRO-1 (``engine.allreduce_gradients`` and ZeRO-1's hooks act at the boundary only;
+ZeRO-2 partitions gradients, so it reduces every micro-batch). Neither does the block
+there, whatever ``sync_grads`` says (``Reducer.defers``, from ``defers_reduction`` at
+entry): a flush only holds (the gradients stay in ``.grad``, or in ZeRO-1's ``grad_accum``
+with a separate accumulation dtype, as DeepSpeed's backward epilogue leaves them), and
+the boundary micro-batch's flushes reduce the held sum with its own passes, as the
+policy says. ``block.grads`` works there too: ``FullGradSlots`` all-reduces each loss's
+gradient itself, and what ``apply_grads`` adds (the same on every rank) waits with the
+rest. An exception exit there drops every held gradient, the earlier micro-batches'
+included (none was reduced).
+
 Backward passes inside a pass (a tiled MLP's tiles, [Note: nested backward passes] in
 ``_nested.py``) accumulate into ``.grad`` like the rest of their pass, which reduces them
 once; in a probe pass the span drops what they wrote ([Note: nested passes on

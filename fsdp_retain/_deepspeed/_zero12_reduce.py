@@ -1,8 +1,9 @@
 """How the ZeRO stage 0-2 block reduces: the gradients a pass left in ``.grad`` go
-through DeepSpeed's own reduction once (``Reducer.flush``), and the step's reduced
-gradients are finalized at the accumulation boundary (``Reducer.finish_step``);
-``FullGradSlots`` is what ``block.grads`` sees. Part of the DeepSpeed backend with
-``_zero12.py``: see [Note: ZeRO stages 0-2 in the block] there.
+through DeepSpeed's own reduction once (``Reducer.flush``), or, on a micro-batch where
+DeepSpeed itself reduces nothing (``defers_reduction``), stay local until the boundary;
+the step's reduced gradients are finalized at the accumulation boundary
+(``Reducer.finish_step``); ``FullGradSlots`` is what ``block.grads`` sees. Part of the
+DeepSpeed backend with ``_zero12.py``: see [Note: ZeRO stages 0-2 in the block] there.
 """
 
 from __future__ import annotations
@@ -16,6 +17,19 @@ from .._grad_layout import Selection, per_param_layout
 from .._loss_grads import GradSlots
 
 
+def defers_reduction(engine: Any) -> bool:
+    """Whether DeepSpeed itself reduces nothing in this micro-batch: ZeRO-0 and ZeRO-1
+    (gradients not partitioned) under managed gradient accumulation, off the boundary.
+    ``engine.allreduce_gradients`` reduces there only at the boundary, and ZeRO-1's hooks
+    (``reduce_ready_partitions_and_remove_grads``) too; ZeRO-2 reduces every micro-batch.
+    With ``managed_gradient_accumulation`` false the boundary is ``engine.step()``, after
+    the block: the block reduces as the policy says."""
+    if engine.zero_optimization_partition_gradients():
+        return False
+    managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
+    return bool(managed) and not engine.is_gradient_accumulation_boundary()
+
+
 class Reducer:
     """ZeRO-1 and ZeRO-2 (``DeepSpeedZeroOptimizer``): while the block is installed
     the per-parameter hooks reduce nothing (``_coalesce_grad_reduction``, what
@@ -23,15 +37,22 @@ class Reducer:
     off the accumulation boundary: every gradient into the reduce bucket, then the
     optimizer's epilogue, which adds the reduced partition to the step's sum
     (``all_grad_tensors``, or the CPU buffers with ``offload_optimizer``). A flush is
-    a micro-step of DeepSpeed's own gradient accumulation."""
+    a micro-step of DeepSpeed's own gradient accumulation.
+
+    Where DeepSpeed defers the reduction to the boundary (``defers``: ZeRO-1 off the
+    boundary) a flush reduces nothing: it does what DeepSpeed's backward epilogue does
+    there (``hold``), and the gradients wait in ``.grad`` (or ``grad_accum``) for the
+    boundary micro-batch's flushes, which reduce them with that micro-batch's passes."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.opt = engine.optimizer
         self._saved_coalesce: bool | None = None
         self.flushed = False  # a flush since the last step: finish_step has work
+        self.defers = False  # this micro-batch reduces nothing (defers_reduction)
 
     def install(self) -> None:
+        self.defers = defers_reduction(self.engine)
         self._saved_coalesce = self.opt._coalesce_grad_reduction
         self.opt._coalesce_grad_reduction = True
 
@@ -49,6 +70,9 @@ class Reducer:
                    for p in self.params())
 
     def flush(self) -> None:
+        if self.defers:
+            self.hold()
+            return
         opt = self.opt
         opt.set_gradient_accumulation_boundary(False)
         opt._coalesce_grad_reduction = False
@@ -73,6 +97,14 @@ class Reducer:
             opt._coalesce_grad_reduction = True
         self.flushed = True
 
+    def hold(self) -> None:
+        """Off the boundary: no collective. With a separate accumulation dtype (bf16 on
+        ZeRO-1) ``.grad`` moves into ``grad_accum``, as DeepSpeed's backward epilogue
+        does, so the micro-batches add up in that dtype; the next forward keeps it (no
+        epilogue ran since the last one)."""
+        if self.opt.use_grad_accum_attribute:
+            self.opt.fill_grad_accum_attribute()
+
     def finish_step(self) -> None:
         """At the accumulation boundary: the sum of the flushes, for ``engine.step()``."""
         if self.flushed:
@@ -94,10 +126,12 @@ class Zero0Reducer(Reducer):
     """ZeRO stage 0 (plain data parallel, fp32): ``flush`` all-reduces (averages) every
     ``.grad`` in place, as DeepSpeed does at the boundary. The average is linear, so a
     later pass that adds its local gradient to an averaged one and is averaged in turn
-    gives the average of the sum."""
+    gives the average of the sum. Off the boundary (``defers``) a flush reduces
+    nothing: ``.grad`` holds the micro-batch for the boundary's all-reduce, as in
+    DeepSpeed."""
 
     def install(self) -> None:
-        pass
+        self.defers = defers_reduction(self.engine)
 
     def uninstall(self) -> None:
         pass
@@ -106,9 +140,13 @@ class Zero0Reducer(Reducer):
         return [p for p in self.engine.module.parameters() if p.requires_grad]
 
     def holds(self) -> bool:
-        return False  # an averaged .grad looks like a held one: the block keeps count
+        # At the boundary an averaged .grad looks like a held one: the block keeps count.
+        # Off it .grad is local (this micro-batch's and the earlier ones').
+        return self.defers and any(p.grad is not None for p in self.params())
 
     def flush(self) -> None:
+        if self.defers:
+            return
         self.engine.buffered_allreduce_fallback(elements_per_buffer=_ALLREDUCE_ELEMENTS)
         self.flushed = True
 
@@ -130,7 +168,8 @@ class FullGradSlots(GradSlots):
     (``sharded`` False: ``gramian`` needs no collective). ``.grad`` is moved aside for
     the pass and put back; the block does not flush the pass (``block._grads_pass``).
     ``add`` (``apply_grads``) writes into ``.grad``, which the block reduces at its
-    exit: every rank adds the same average, so the reduction keeps it."""
+    exit (off the boundary on ZeRO-0/1: with the boundary micro-batch's): every rank
+    adds the same average, so the reduction keeps it."""
 
     def __init__(self, block: Any, params: list[torch.nn.Parameter], group: Any) -> None:
         super().__init__(params, group, False, per_param_layout(block._root, params))
