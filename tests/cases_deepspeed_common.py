@@ -30,7 +30,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fsdp_retain import no_reshard_between_backwards
-from tests.parity import LOSSES, averaged_grads, rank
+from tests.parity import LOSSES, rank, step_averaged
 
 
 _KINDS = {
@@ -267,12 +267,7 @@ def reference_step(ref, opt, scenario: Scenario, step: int) -> dict:
                 opt.zero_grad()
             loss = pass_loss(outs, kept, scenario, i)
             (loss / scenario.gas).backward(retain_graph=i < scenario.passes - 1)
-    grads = averaged_grads(ref)
-    for name, param in ref.named_parameters():
-        param.grad = grads[name].clone()
-    opt.step()
-    opt.zero_grad()
-    return grads
+    return step_averaged(ref, opt)
 
 
 def engine_micro_step(engine, scenario: Scenario, step: int, micro: int) -> None:

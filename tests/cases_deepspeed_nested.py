@@ -40,7 +40,7 @@ from tests.cases_deepspeed_common import (
     setup,
 )
 from tests.harness import Registry
-from tests.parity import averaged_grads, rank
+from tests.parity import rank, step_averaged
 
 registry = Registry()
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -59,12 +59,7 @@ def _engine(model: torch.nn.Module):
 
 def _reference_step(ref, opt, run) -> dict:
     run(ref)
-    grads = averaged_grads(ref)
-    for name, param in ref.named_parameters():
-        param.grad = grads[name].clone()
-    opt.step()
-    opt.zero_grad()
-    return grads
+    return step_averaged(ref, opt)
 
 
 def _check_step(engine, ref, expected: dict, step: int) -> None:

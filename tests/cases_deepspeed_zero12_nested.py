@@ -34,7 +34,7 @@ from tests.case_parts import covering
 from tests.cases_deepspeed_common import assert_close, counting, full_grads
 from tests.cases_deepspeed_zero12 import Z12, _relative, engine_for, params_of
 from tests.harness import Registry
-from tests.parity import averaged_grads, rank
+from tests.parity import rank, step_averaged
 
 registry = Registry()
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -46,12 +46,7 @@ def _reference_step(ref, opt, x) -> dict:
     out = ref(x)
     nm.loss1(out).backward(retain_graph=True)
     nm.loss2(out).backward()
-    grads = averaged_grads(ref)
-    for name, param in ref.named_parameters():
-        param.grad = grads[name].clone()
-    opt.step()
-    opt.zero_grad()
-    return grads
+    return step_averaged(ref, opt)
 
 
 def _tiled(stage: int, sync: str = "every", engine_backward: bool = True,

@@ -19,6 +19,9 @@ runs over sequence tiles under ``no_grad``, its backward recomputes each tile an
   layer), DDP; HF non-reentrant gradient checkpointing or none; ``sync_grads``;
   ``keep_unsharded``; the pass pattern. Each step counts the tiles recomputed, one
   nested backward pass each (4 per MLP per pass): the patch is never bypassed.
+- ``hf_qwen2_tiled_reentrant_*``: HF reentrant checkpointing over the tiled MLP (each
+  layer's recomputation a backward pass, the tiles' passes inside it), the two real passes
+  (a probe pass refuses reentrant checkpoints), on each backend.
 - ``peft_lora_qwen2_tiled_*``: peft LoRA (frozen base, adapters on attention and on the
   MLP's ``gate_proj`` and ``down_proj``, so the tiles write adapter gradients) on FSDP2
   and DDP, a probe pass first.
@@ -50,11 +53,12 @@ from tests.nested_models import TiledMLP
 from tests.parity import averaged_grads, sgd
 from tests.real_stacks_hf import (
     STEPS,
-    TOL,
     ActivationGrads,
     assert_close_dicts_tol,
+    check_rl_step,
     logp_loss,
     lora_qwen2,
+    reference_rl_step,
     tiny_qwen2,
     token_logp,
     tokens,
@@ -73,7 +77,9 @@ PASSES = {
     "probe_2real": ("probe", "logp", "weighted"),
     "probe_1real": ("probe", "weighted"),
     "real_probe_real": ("logp", "probe", "weighted"),
+    "2real": ("logp", "weighted"),  # no probe pass: reentrant checkpointing refuses one
 }
+PROBE_PATTERNS = ("probe_2real", "probe_1real", "real_probe_real")
 LOSSES = {"logp": logp_loss, "weighted": weighted_loss}
 
 
@@ -132,49 +138,28 @@ def tiled_rl_parity(wrap, adapter, ckpt: str, keep: bool, sync: str, passes: str
     real = [p for p in order if p != "probe"]
     for step in range(STEPS):
         ids = tokens(step)
-        logp = token_logp(ref, ids)
-        logp_loss(logp).backward(retain_graph=True)
-        ref_probe = ref_hooks.take()
-        if "logp" not in real:
-            ref.zero_grad(set_to_none=True)
-        weighted_loss(logp).backward()
-        ref_hooks.take()
-        ref_grads = averaged_grads(ref)
-        for name, param in ref.named_parameters():
-            param.grad = ref_grads.get(name)
-        ref_opt.step()
-        ref_opt.zero_grad()
-
+        ref_probe, ref_grads = reference_rl_step(ref, ref_opt, ref_hooks, token_logp(ref, ids),
+                                                 keep_logp_grads="logp" in real)
         where = f"step {step}"
         with no_reshard_between_backwards(model, keep_unsharded=keep, sync_grads=sync) as block:
             logp = token_logp(model, ids)
             _TILE_PASSES[0] = 0
+            taken: dict[str, dict] = {}
             for index, kind in enumerate(order):
                 last = index == len(order) - 1
                 if kind == "probe":
                     before = _local_grads(model)
                     block.backward(logp_loss(logp), param_grads=False, retain_graph=True)
                     _assert_same_grads(_local_grads(model), before, f"{where}: probe pass")
-                    probe = hooks.take()
+                    taken["probe"] = hooks.take()
                 else:
                     LOSSES[kind](logp).backward(retain_graph=not last)
-                    hooks.take()
+                    taken[kind] = hooks.take()
         # Every pass ran the tiles of each of the 3 MLPs, each its own backward pass.
         assert _TILE_PASSES[0] == len(order) * 3 * TILES, (_TILE_PASSES, order)
-        assert sorted(probe) == sorted(ref_probe) == [0, 1, 2], (sorted(probe), sorted(ref_probe))
-        for index in ref_probe:
-            torch.testing.assert_close(
-                torch.stack(probe[index]).sum(0), torch.stack(ref_probe[index]).sum(0), **TOL,
-                msg=lambda m, i=index: f"{where}: probe activation grad of layer {i}: {m}",
-            )
-        grads = adapter.full_grads(model)
-        for name in set(grads) - set(ref_grads):
-            del grads[name]  # FSDP1's flat gradient covers frozen parameters' slices too
-        assert_close_dicts_tol(grads, ref_grads, f"{where}: grads")
-        opt.step()
-        opt.zero_grad()
-        ref_params = {n: p.detach() for n, p in ref.named_parameters()}
-        assert_close_dicts_tol(adapter.full_params(model), ref_params, f"{where}: params")
+        # The log-prob loss's activation gradients: of the probe pass, else of its real pass.
+        first = taken.get("probe", taken.get("logp"))
+        check_rl_step(where, model, ref, adapter, opt, (first, ref_probe), ref_grads)
 
 
 BACKENDS: dict[str, tuple[Any, Any]] = {
@@ -190,7 +175,7 @@ def _add_cases() -> None:
     # shards nothing (keep_unsharded has no effect): a DDP row that repeats another once
     # keep is dropped would be skipped (none does).
     grid = covering(dict(backend=tuple(BACKENDS), ckpt=("none", "nonreentrant"),
-                         sync=("every", "last"), keep=(True, False), passes=tuple(PASSES)),
+                         sync=("every", "last"), keep=(True, False), passes=PROBE_PATTERNS),
                     strength=3)
     for row in grid:
         backend, keep = row["backend"], row["keep"]
@@ -206,6 +191,16 @@ def _add_cases() -> None:
 
 
 _add_cases()
+
+# HF reentrant checkpointing: each decoder layer's recomputation is a backward pass of
+# its own, inside which the tiles run theirs (nested passes two deep). No probe pass: it
+# refuses reentrant checkpoints (tests/cases_real_stacks_hf.py).
+for _backend, _sync in (("fsdp2", "every"), ("fsdp1_full_orig", "last"),
+                        ("fsdp1_full_flat", "every"), ("ddp", "last")):
+    _wrap, _adapter = BACKENDS[_backend]
+    registry.add(f"hf_qwen2_tiled_reentrant_{_backend}_{_sync}_2real",
+                 functools.partial(tiled_rl_parity, _wrap, _adapter, "reentrant", False,
+                                   _sync, "2real"))
 
 
 # --- peft LoRA: adapters inside the tiled MLP -------------------------------------

@@ -170,6 +170,18 @@ class Adapter:
     full_grads: Callable[[nn.Module], dict[str, torch.Tensor]]
 
 
+def step_averaged(model: nn.Module, opt) -> dict[str, torch.Tensor]:
+    """An optimizer step of the reference on its gradients averaged over ranks (the union
+    batch), then ``zero_grad``; returns those averaged gradients."""
+    grads = averaged_grads(model)
+    for name, param in model.named_parameters():
+        grad = grads.get(name)
+        param.grad = None if grad is None else grad.clone()
+    opt.step()
+    opt.zero_grad()
+    return grads
+
+
 def reference_step(ref: nn.Module, opt, x: torch.Tensor, scenario: Scenario):
     """Runs the scenario on the unsharded reference; returns losses and per-pass grads
     (a probe pass adds none)."""

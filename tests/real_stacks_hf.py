@@ -26,7 +26,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 from fsdp_retain import no_reshard_between_backwards
 from tests import fsdp1_utils as f1
-from tests.parity import averaged_grads, sgd, world
+from tests.parity import sgd, step_averaged, world
 
 OPTIONS = [(True, "every"), (True, "last"), (False, "every"), (False, "last")]
 VOCAB, SEQ, BATCH = 64, 8, 2
@@ -158,16 +158,7 @@ def hf_rl_parity(
         ids = tokens(step)
         with forward_ctx():
             logp = token_logp(ref, ids)
-        logp_loss(logp).backward(retain_graph=True)
-        ref_first = ref_hooks.take()
-        ref.zero_grad(set_to_none=True)
-        weighted_loss(logp).backward()
-        ref_hooks.take()
-        ref_grads = averaged_grads(ref)
-        for name, param in ref.named_parameters():
-            param.grad = ref_grads.get(name)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_first, ref_grads = reference_rl_step(ref, ref_opt, ref_hooks, logp)
 
         with no_reshard_between_backwards(
             model, keep_unsharded=keep, sync_grads=sync, **block_kwargs
@@ -182,23 +173,46 @@ def hf_rl_parity(
             hooks.take()
         if budget:  # the root and the last layer of four units
             assert block._kept_count() == 2, f"kept {block._kept_count()} units, not 2"
-        where = f"step {step}"
-        assert sorted(first) == sorted(ref_first) == [0, 1, 2], (sorted(first), sorted(ref_first))
-        for index in ref_first:
-            torch.testing.assert_close(
-                torch.stack(first[index]).sum(0), torch.stack(ref_first[index]).sum(0), **TOL,
-                msg=lambda m, i=index: f"{where}: pass-1 activation grad of layer {i}: {m}",
-            )
-        grads = adapter.full_grads(model)
-        for name in set(grads) - set(ref_grads):
-            # FSDP1 computes the whole flat gradient, frozen parameters' slices too
-            # (plain FSDP1 alike); the optimizer never sees them, params are compared.
-            del grads[name]
-        assert_close_dicts_tol(grads, ref_grads, f"{where}: grads")
-        opt.step()
-        opt.zero_grad()
-        ref_params = {n: p.detach() for n, p in ref.named_parameters()}
-        assert_close_dicts_tol(adapter.full_params(model), ref_params, f"{where}: params")
+        check_rl_step(f"step {step}", model, ref, adapter, opt, (first, ref_first), ref_grads)
+
+
+def reference_rl_step(ref: nn.Module, opt, hooks: ActivationGrads, logp: torch.Tensor,
+                      keep_logp_grads: bool = False) -> tuple[dict, dict]:
+    """The reference's RL step over ``logp`` (its forward's): the log-prob loss, its
+    gradients dropped unless ``keep_logp_grads``, the weighted loss, the gradients averaged
+    over ranks, an optimizer step. Returns the log-prob pass's activation gradients and the
+    averaged gradients."""
+    logp_loss(logp).backward(retain_graph=True)
+    first = hooks.take()
+    if not keep_logp_grads:
+        ref.zero_grad(set_to_none=True)
+    weighted_loss(logp).backward()
+    hooks.take()
+    return first, step_averaged(ref, opt)
+
+
+def check_rl_step(where: str, model: nn.Module, ref: nn.Module, adapter, opt,
+                  activations: tuple[dict, dict], ref_grads: dict) -> None:
+    """After the model's step in the block: the activation gradients of its log-prob pass
+    (``activations``: the model's, the reference's), its gradients, then its parameters
+    after an optimizer step, against the reference's (stepped by ``reference_rl_step``)."""
+    first, ref_first = activations
+    assert sorted(first) == sorted(ref_first) == [0, 1, 2], (sorted(first), sorted(ref_first))
+    for index in ref_first:
+        torch.testing.assert_close(
+            torch.stack(first[index]).sum(0), torch.stack(ref_first[index]).sum(0), **TOL,
+            msg=lambda m, i=index: f"{where}: log-prob pass activation grad of layer {i}: {m}",
+        )
+    grads = adapter.full_grads(model)
+    for name in set(grads) - set(ref_grads):
+        # FSDP1 computes the whole flat gradient, frozen parameters' slices too
+        # (plain FSDP1 alike); the optimizer never sees them, params are compared.
+        del grads[name]
+    assert_close_dicts_tol(grads, ref_grads, f"{where}: grads")
+    opt.step()
+    opt.zero_grad()
+    ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+    assert_close_dicts_tol(adapter.full_params(model), ref_params, f"{where}: params")
 
 
 def assert_close_dicts_tol(actual, expected, what: str) -> None:
