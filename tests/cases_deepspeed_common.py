@@ -30,6 +30,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fsdp_retain import no_reshard_between_backwards
+from tests.harness import skip_case
 from tests.parity import LOSSES, rank, step_averaged
 
 
@@ -129,8 +130,25 @@ def make_engine(config: dict):
     model = make_model()
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    engine, *_ = initialize(model, opt, config)
     return engine, ref
+
+
+def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict):
+    """``deepspeed.initialize``; the case is skipped (``skip_case``) where the config
+    enables a dtype DeepSpeed's accelerator refuses on this machine, asked as
+    ``initialize`` asks it (``is_fp16_supported``: on CPU, oneDNN's fp16 support)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    for dtype in ("fp16", "bf16"):
+        supported = getattr(accelerator, f"is_{dtype}_supported")()
+        if config.get(dtype, {}).get("enabled") and not supported:
+            skip_case(f"{dtype} needs DeepSpeed's {accelerator.device_name()} accelerator to "
+                      f"support it, and {type(accelerator).__name__}.is_{dtype}_supported() "
+                      "is false on this machine (on CPU: "
+                      f"torch.ops.mkldnn._is_mkldnn_{dtype}_supported())")
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
 
 def tokens(step: int, micro: int = 0, forward: int = 0) -> torch.Tensor:

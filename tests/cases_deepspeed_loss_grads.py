@@ -25,6 +25,7 @@ from tests.cases_deepspeed_common import (
     assert_close,
     ds_config,
     full_params,
+    initialize,
     losses,
     make_engine,
     tokens,
@@ -121,8 +122,6 @@ def ds_loss_grads_fp16_refused() -> None:
 # zero_grad() between passes, PCGrad over the shared parameters (all but lm_head, whose
 # gradient is the plain sum), per-parameter norms by name, and bf16.
 def _engine(frozen: bool | str, bf16: bool = False):
-    import deepspeed
-
     from tests.cases_deepspeed_common import make_model, setup
 
     setup()
@@ -136,7 +135,7 @@ def _engine(frozen: bool | str, bf16: bool = False):
         model.model.embed_tokens.weight.requires_grad_(False)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(bf16=bf16))
+    engine, *_ = initialize(model, opt, ds_config(bf16=bf16))
     return engine, ref
 
 

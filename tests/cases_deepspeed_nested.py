@@ -25,7 +25,6 @@ import copy
 
 import torch
 
-import deepspeed
 import fsdp_retain
 from fsdp_retain import no_reshard_between_backwards
 from fsdp_retain._common import RetainError
@@ -37,6 +36,7 @@ from tests.cases_deepspeed_common import (
     ds_config,
     full_grads,
     full_params,
+    initialize,
     setup,
 )
 from tests.harness import Registry
@@ -53,7 +53,7 @@ def _engine(model: torch.nn.Module):
     model = model.float()
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config())
+    engine, *_ = initialize(model, opt, ds_config())
     return engine, ref, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
 
 

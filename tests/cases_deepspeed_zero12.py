@@ -26,7 +26,6 @@ import dataclasses
 
 import torch
 
-import deepspeed
 import fsdp_retain
 from fsdp_retain import no_reshard_between_backwards
 from fsdp_retain._common import RetainError
@@ -38,6 +37,7 @@ from tests.cases_deepspeed_common import (
     assert_close,
     counting,
     full_grads,
+    initialize,
     make_model,
     setup,
     tokens,
@@ -103,7 +103,7 @@ def engine_for(scenario: Z12, model: torch.nn.Module | None = None):
     model = make_model() if model is None else model
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=scenario.config())
+    engine, *_ = initialize(model, opt, scenario.config())
     return engine, ref, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
 
 
@@ -395,6 +395,11 @@ def zero12_refusals() -> None:
         assert "zero_optimization.stage to 1 or 2" in str(exc), exc
     else:
         raise AssertionError("bf16 on ZeRO-0 was accepted")
+
+
+@registry.case()
+def zero12_refusal_fp16_loss_backward() -> None:
+    """``loss.backward()`` under fp16 skips the loss scale: refused before any gradient."""
     engine16, _, _ = engine_for(Z12(stage=2, fp16=True))
     try:
         with no_reshard_between_backwards(engine16) as block:

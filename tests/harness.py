@@ -41,6 +41,16 @@ ROOT = Path(__file__).resolve().parent.parent
 BACKEND_ENV = "FSDP_RETAIN_TEST_BACKEND"  # the ranks' process group: gloo (default) or nccl
 
 
+class CaseSkipped(Exception):
+    """Raised (``skip_case``) by a case that needs what this machine lacks, a CPU feature
+    the library under test asks for: its test is skipped, with the reason."""
+
+
+def skip_case(reason: str) -> None:
+    """Skips the running case on this rank; every rank must skip it (the same check)."""
+    raise CaseSkipped(reason)
+
+
 @dataclasses.dataclass
 class Case:
     name: str
@@ -213,8 +223,16 @@ def launch_cases(
 
 
 def check_case(result: LaunchResult, name: str) -> None:
-    """Fails (with every rank's error and output) unless ``name`` passed on all ranks."""
+    """Fails (with every rank's error and output) unless ``name`` passed on all ranks;
+    skips it (pytest) where every rank skipped it (``skip_case``)."""
     problems = []
+    skipped = [cases.get(name, {}).get("skipped") for cases in result.per_rank]
+    if all(skipped):
+        import pytest
+
+        pytest.skip(skipped[0])
+    if any(skipped):
+        problems.append(f"skipped on some ranks only: {skipped}")
     for rank, cases in enumerate(result.per_rank):
         entry = cases.get(name)
         if entry is None:
@@ -362,6 +380,9 @@ def _worker(out: Path, cases: list[tuple[str, str]]) -> int:
             case = importlib.import_module(module).registry.cases[name]
             case.fn()
             results[key] = {"ok": True, "error": None}
+        except CaseSkipped as exc:
+            results[key] = {"ok": True, "error": None, "skipped": str(exc)}
+            print(f"[rank {rank}] case {key} skipped: {exc}", flush=True)
         except BaseException:  # noqa: BLE001 - report everything, keep going
             results[key] = {"ok": False, "error": traceback.format_exc()}
             print(results[key]["error"], flush=True)
@@ -434,4 +455,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The ranks run this file as __main__: run it from tests.harness, the module the
+    # cases import, so that their CaseSkipped is the class _worker catches.
+    from tests.harness import main as harness_main
+
+    sys.exit(harness_main())
