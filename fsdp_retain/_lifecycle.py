@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from . import _pass_start
 from ._block_api import BlockAPI
-from ._common import ACTIVE_ATTR, create_graph_needs_keep, queue_callback
+from ._common import ACTIVE_ATTR, RetainError, create_graph_needs_keep, queue_callback
 from ._inputs import ParamLookup, PassInputs
 from ._nested import NestedPasses, Span
 from ._policy import PassTracker, Policy, RetainOptions
@@ -73,6 +73,8 @@ class BlockBase(BlockAPI, PassInputs, abc.ABC):
         self._kept_total = 0  # units kept unsharded between passes, set at install
         self._slots: Any = None  # the backend's GradSlots, made at the first grads()
         self.nested = NestedPasses(self._open_span)  # see [Note: nested backward passes]
+        self._forwards = 0  # forwards of the model running now (a pass inside one)
+        self._forward_hooks: list[Any] = []
 
     # The mechanics of one flavour #
     @abc.abstractmethod
@@ -127,6 +129,20 @@ class BlockBase(BlockAPI, PassInputs, abc.ABC):
         until the outer pass moves on (see [Note: nested backward passes])."""
         return Span()
 
+    def _pass_in_forward_refusal(self) -> str | None:
+        """Why a pass that starts inside a forward of the model is refused on this
+        backend (``None``: it is not); see [Note: passes a tiled kernel holds]."""
+        return None
+
+    def _check_pass_in_forward(self) -> None:
+        """Raises, before the pass's first node, where a pass starts inside the
+        model's forward (``TiledFusedLogitsLoss``'s per-shard backward) and the
+        backend refuses one."""
+        if self._forwards and not (self.probing or self.tracker.in_backward):
+            why = self._pass_in_forward_refusal()
+            if why is not None:
+                raise RetainError(why)
+
     def _kept_count(self) -> int:
         """Units kept unsharded between passes (for tests; also after the exit)."""
         return self._kept_total
@@ -142,6 +158,11 @@ class BlockBase(BlockAPI, PassInputs, abc.ABC):
         try:
             # See [Note: why an optimizer step inside the block is refused].
             self._step_hook = refuse_step(self.model, self._block_params())
+            if isinstance(self.model, nn.Module):
+                self._forward_hooks = [
+                    self.model.register_forward_pre_hook(self._forward_starts, prepend=True),
+                    self.model.register_forward_hook(self._forward_ends, always_call=True),
+                ]
             if self.options.check_saved_tensors:
                 self._saved_check = SavedTensorCheck()
                 self._saved_check.push()
@@ -184,7 +205,16 @@ class BlockBase(BlockAPI, PassInputs, abc.ABC):
         self._install()
         self.probe_targets.record_inputs(module, args, {})  # its hook runs from the next forward
 
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        self._forwards += 1
+
+    def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._forwards -= 1
+
     def _pop_guards(self) -> None:
+        for handle in self._forward_hooks:
+            handle.remove()
+        self._forward_hooks.clear()
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None

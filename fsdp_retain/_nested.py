@@ -88,6 +88,29 @@ class GradStashSpan(Span):
         self.close()
 
 
+def kernel_holds(params: list[Any]) -> bool:
+    """Whether a pass that starts now is a shard of a tiled kernel that is not the last:
+    some parameter's ``ds_grad_is_ready`` is false.
+
+    [Note: passes a tiled kernel holds]
+    DeepSpeed's tiled kernels (``TiledMLP``, ``SequenceTiledCompute``,
+    ``TiledFusedLogitsLoss`` in ``deepspeed.runtime.sequence_parallel.ulysses_sp``) run a
+    backward per shard and mark their ``compute_params`` with ``ds_grad_is_ready =
+    False`` for every shard but the last: the shards add up to one gradient, which
+    ZeRO's hooks reduce only once the last shard ran. Inside a backward those shard
+    passes are nested passes (above). ``TiledFusedLogitsLoss`` runs them inside the
+    *forward*: each is a pass of its own, which the block would reduce after every one
+    with ``sync_grads="every"``: on ZeRO-1/2 the flush then read the held, never-reduced
+    gradient into the step (silently wrong), on DDP it all-reduced once per shard. So a
+    pass that starts outside the block's passes while a managed parameter's flag is
+    false is no pass of the block: what it accumulates waits in ``.grad`` for the pass
+    that completes the kernel (its last shard, flag true), which reduces it with its
+    own, as the policy says. Backends whose reduction the block holds for the whole pass
+    read this (DDP, ZeRO stages 0-2).
+    """
+    return any(getattr(p, "ds_grad_is_ready", True) is False for p in params)
+
+
 def take_grads(params: list[Any]) -> list[tuple[Any, Any]]:
     """Sets aside the ``.grad`` of ``params`` (for ``put_grads``)."""
     stash = [(p, p.grad) for p in params if p.grad is not None]

@@ -16,6 +16,8 @@ from tests.harness import case_tests  # noqa: E402
 
 
 case_tests(globals(), "tests.cases_deepspeed", {"test_deepspeed": (2, 900)})
+case_tests(globals(), "tests.cases_real_stacks_ds_kernels",
+           {"test_real_stacks_ds_kernels": (2, 600)})
 case_tests(globals(), "tests.cases_deepspeed_hpz", {"test_deepspeed_hpz": (4, 600)})
 
 

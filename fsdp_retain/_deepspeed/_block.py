@@ -91,7 +91,7 @@ from ._nested import DeepSpeedSpan
 from ._graph import ForwardGraph, ZeroParams, held_node
 from .._lifecycle import BlockBase
 from .._loss_grads import GradSlots
-from .._nested import Span
+from .._nested import Span, kernel_holds
 from .._policy import RetainOptions
 
 _RELEASE = "_PartitionedParameterCoordinator__release_param"
@@ -168,6 +168,7 @@ class DeepSpeedBlock(BlockBase):
         self._saved_coalesce: bool | None = None
         self._prologue: Any = None  # the engine's _backward_prologue, shadowed in the block
         self._lookup = ZeroParams(self._root, _INPUTS_REFUSED)  # passes with inputs=
+        self._trainable = [p for p in self._root.parameters() if p.requires_grad]
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -298,6 +299,8 @@ class DeepSpeedBlock(BlockBase):
             if any(map(run, self._graph.acc_grads)):
                 raise RetainError(FORWARD_OUTSIDE)
             return  # another model's backward
+        if not (self.probing or self.tracker.in_backward) and kernel_holds(self._trainable):
+            return  # see [Note: passes a tiled kernel holds] in fsdp_retain/_nested.py
         gas = int(self.model.gradient_accumulation_steps())
         if not (reaches_output or self.probing or self.model._running_engine_backward or gas == 1):
             raise RetainError(UNSCALED.format(gas=gas))
@@ -355,7 +358,7 @@ class DeepSpeedBlock(BlockBase):
         from inside the model left the last layer's gradient of the step before).
         A parameter without a held node (``held_node``) is zeroed too: when a
         checkpoint's recompute reaches it after all, its reduction copies over."""
-        for param in self._graph.unreached(_pass_start.will_run):
+        for param in self._graph.unreached(_pass_start.will_run, self._trainable):
             partition = self._partitions.get(param.ds_id)
             if partition is not None:
                 partition.zero_()

@@ -86,9 +86,14 @@ class ForwardGraph:
         for tensor in grad_tensors(output):
             tensor.register_hook(guard)  # lives as long as the graph
 
-    def unreached(self, run: Callable[[Any], bool]) -> list[torch.nn.Parameter]:
+    def unreached(self, run: Callable[[Any], bool],
+                  trainable: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
         """The parameters a pass (``run``: ``_pass_start.will_run``) does not
-        accumulate into, or whose node is unknown (``held_node``)."""
+        accumulate into, or whose node is unknown (``held_node``): all of
+        ``trainable`` for a pass inside the first forward, before ``record`` (the
+        per-shard passes of DeepSpeed's ``TiledFusedLogitsLoss``)."""
+        if not self._recorded:
+            return list(trainable)
         return [param for param, node in self.param_nodes if node is None or not run(node)]
 
     def clear(self) -> None:

@@ -59,7 +59,7 @@ from .. import _pass_start
 from .._common import RetainError, eager_modules, grad_tensors, queue_callback, require_attr
 from .._lifecycle import BlockBase
 from .._loss_grads import GradSlots
-from .._nested import GradStashSpan, Span
+from .._nested import GradStashSpan, Span, kernel_holds
 from .._policy import RetainOptions
 from ._engine import UNSCALED, check_engine_common, flavour, step_inside_block, zero_stage
 from ._zero12_reduce import FullGradSlots, Reducer, Zero0Reducer
@@ -209,6 +209,8 @@ class DeepSpeedZero12Block(BlockBase):
         targets = (edge.node for edge in self.probe_targets.edges.values())
         if not (reaches_output or any(map(run, self._acc_nodes)) or any(map(run, targets))):
             return  # another model's backward
+        if not (self.probing or self.tracker.in_backward) and kernel_holds(self._reducer.params()):
+            return  # see [Note: passes a tiled kernel holds] in fsdp_retain/_nested.py
         self._begin(reaches_output)
 
     def _prologue_from_output_hook(self) -> None:

@@ -120,6 +120,15 @@ def _unit_input_grad(block_ref: Any, unit: Unit, grad: torch.Tensor) -> None:
         block._probe_unit_done(unit)
 
 
+
+PASS_IN_FORWARD = (
+    "no_reshard_between_backwards on FSDP1: a backward pass started inside the model's "
+    "forward (DeepSpeed's TiledFusedLogitsLoss runs one per shard there). FSDP1 runs its "
+    "post-backward reduction and reshard in it while its forward still runs (plain FSDP1 "
+    "fails on it too), so it is refused before it writes a gradient. Use FSDP2 "
+    "(fully_shard) or DDP for a loss that runs its backward in the forward."
+)
+
 class FSDP1Block(BlockBase):
     """One ``no_reshard_between_backwards`` block on an FSDP1 root."""
 
@@ -255,6 +264,9 @@ class FSDP1Block(BlockBase):
         self._post_backward.begin_pass()
 
     @loud
+    def _pass_in_forward_refusal(self) -> str | None:
+        return PASS_IN_FORWARD
+
     def on_backward_start(self) -> None:
         """Inside the pass, before its first node runs."""
         if self._exited or self._pass_open:
@@ -262,6 +274,8 @@ class FSDP1Block(BlockBase):
         run = _pass_start.will_run
         check_not_outside(self._units, run)
         uses = [u for u in self._units if u.uses(run)]
+        if uses:
+            self._check_pass_in_forward()
         if not uses:  # another model's backward
             self._ledger.forget_snapshot()
             if self._had_sentinels:
