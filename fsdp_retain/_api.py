@@ -81,18 +81,20 @@ class RetainBlock(Protocol):
 
 
 def wrapper_flavour(module: nn.Module) -> str | None:
-    """``"fsdp1"``, ``"fsdp2"``, ``"ddp"`` or ``None`` for a module no wrapper manages."""
+    """``"fsdp1"``, ``"fsdp2"`` (also ``replicate_with_fsdp``), ``"ddp"`` (also the
+    composable ``replicate``) or ``None`` for a module no wrapper manages."""
     from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(module, FullyShardedDataParallel):
         return "fsdp1"
-    if isinstance(module, DistributedDataParallel):
-        return "ddp"
     from ._fsdp2 import is_fsdp2_module
 
     if is_fsdp2_module(module):
         return "fsdp2"
+    from ._ddp import ddp_model
+
+    if ddp_model(module) is not None:
+        return "ddp"
     return None
 
 
@@ -121,7 +123,7 @@ def _make_block(model: nn.Module, options: RetainOptions) -> BlockBase:
     if flavour is None:
         raise ValueError(
             f"no_reshard_between_backwards got a {type(model).__name__} that is not "
-            f"wrapped by DDP or FSDP. {not_wrapped_fix(model)}"
+            f"wrapped by DDP or FSDP{_composable_found(model)}. {not_wrapped_fix(model)}"
         )
     _check_not_active(model)
     if flavour == "ddp":
@@ -161,6 +163,17 @@ def _root_inside_wrapper(model: nn.Module, inner: str) -> nn.Module:
         f"FSDP-wrapped itself but contains FSDP unit {inner!r} and {why}. "
         f"{wrapper_fix(model)}"
     )
+
+
+def _composable_found(model: nn.Module) -> str:
+    """What composable state a refused module carries, if any."""
+    from ._ddp import composable_states
+
+    found = composable_states(model)
+    if not found:
+        return ""
+    return (f" (composable APIs on it: {', '.join(found)}; the block takes replicate and "
+            "fully_shard, also replicate_with_fsdp's replicate)")
 
 
 def _ancestors(model: nn.Module, name: str) -> Iterator[nn.Module]:
@@ -203,7 +216,8 @@ def no_reshard_between_backwards(
             the module ``fully_shard`` was applied to last (FSDP2); or the
             ``DeepSpeedEngine`` that ``deepspeed.initialize`` returns (ZeRO
             stages 0-3, ``docs/backends.md``); or a ``DistributedDataParallel``
-            model (``docs/backends.md#ddp``).
+            model, or the module the composable ``replicate`` was applied to
+            (``docs/backends.md#ddp``).
         keep_unsharded: ``True`` keeps each unit's unsharded parameters from the
             forward through the last backward, so no backward all-gathers
             (memory: the unsharded parameters of all units). ``False`` re-gathers

@@ -131,9 +131,10 @@ def not_wrapped_fix(model: nn.Module) -> str:
         return f"{_capital(stack.setup())}{ddp}; pass {stack.prepared()}."
     if stack is not None:
         return stack.configure()
-    return ("Wrap it with DistributedDataParallel(...), fully_shard(...) or "
-            "FullyShardedDataParallel(...) and pass the wrapper (the root module with "
-            "FSDP; with DeepSpeed, pass the engine deepspeed.initialize returns).")
+    return ("Wrap it with DistributedDataParallel(...), replicate(...), fully_shard(...) or "
+            "FullyShardedDataParallel(...) and pass the wrapper (the module replicate was "
+            "applied to; the root module with FSDP; with DeepSpeed, pass the engine "
+            "deepspeed.initialize returns).")
 
 
 def wrapper_fix(model: nn.Module) -> str:

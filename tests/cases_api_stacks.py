@@ -362,9 +362,10 @@ def no_stack_gets_the_generic_fix() -> None:
     assert wrapper.endswith("Wrap the root too (fully_shard(model) or "
                             "FullyShardedDataParallel(model)) and pass it."), wrapper
     plain = _refusal(Net())
-    assert plain.endswith("Wrap it with DistributedDataParallel(...), fully_shard(...) or "
-                          "FullyShardedDataParallel(...) and pass the wrapper (the root module "
-                          "with FSDP; with DeepSpeed, pass the engine deepspeed.initialize "
+    assert plain.endswith("Wrap it with DistributedDataParallel(...), replicate(...), "
+                          "fully_shard(...) or FullyShardedDataParallel(...) and pass the "
+                          "wrapper (the module replicate was applied to; the root module with "
+                          "FSDP; with DeepSpeed, pass the engine deepspeed.initialize "
                           "returns)."), plain
     module, reference = _seeded(Net)
     error = _ddp_error(nn.parallel.DistributedDataParallel(module), reference)

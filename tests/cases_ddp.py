@@ -66,15 +66,17 @@ def batch(step: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
 
 @dataclasses.dataclass
 class Setting:
-    """How DDP is built (``ddp``: DDP's own arguments) and what the hook does."""
+    """How DDP is built (``ddp``: DDP's own arguments, given to ``wrapper``: DDP, or the
+    composable ``replicate`` in tests/cases_ddp_replicate.py) and what the hook does."""
 
     ddp: dict = dataclasses.field(default_factory=dict)
     hook: Callable | None = None
     dtype: torch.dtype = torch.float64
     tol: float = TOL
+    wrapper: Callable[..., nn.Module] = DDP
 
-    def wrap(self, module: nn.Module) -> DDP:
-        model = DDP(module, **self.ddp)
+    def wrap(self, module: nn.Module) -> Any:
+        model = self.wrapper(module, **self.ddp)
         if self.hook is not None:
             model.register_comm_hook(dist.group.WORLD, self.hook)
         return model
@@ -92,14 +94,30 @@ SETTINGS = {
 }
 
 
-def buckets(model: DDP) -> int:
-    return len(model._get_ddp_logging_data()["bucket_sizes"].split(", "))
+def reducer_owner(model: Any) -> DDP:
+    """The ``DistributedDataParallel`` whose reducer averages ``model``'s gradients (the
+    one ``replicate`` builds at its first forward)."""
+    if isinstance(model, DDP):
+        return model
+    from torch.distributed._composable.replicate import replicate
+
+    return replicate.state(model)._ddp
 
 
-def reductions(model: DDP, passes: int) -> int:
+def user_module(model: Any) -> nn.Module:
+    """The module whose forward runs: DDP's ``.module``; under replicate the model."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def buckets(model: Any) -> int:
+    return len(reducer_owner(model)._get_ddp_logging_data()["bucket_sizes"].split(", "))
+
+
+def reductions(model: Any, passes: int) -> int:
     """All-reduces for ``passes`` reductions: a bucket each, and the used-map where DDP
     tracks unused parameters."""
-    tracked = model.find_unused_parameters or model.static_graph
+    ddp = reducer_owner(model)
+    tracked = ddp.find_unused_parameters or ddp.static_graph
     return passes * (buckets(model) + tracked)
 
 
@@ -136,13 +154,14 @@ def train(setting: Setting, step_fn: Callable, ref_losses: Callable, *,
         opt.zero_grad()
         result = step_fn(model, x)
         want = reference_grads(ref, x.double(), ref_losses)
-        got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.module.parameters()]
+        got = [p.grad if p.grad is not None else torch.zeros_like(p)
+               for p in user_module(model).parameters()]
         grad_error = rel_error(got, want)
         if check is not None:
             check(model, result, step)
         opt.step()
         ref_opt.step()
-        errors.append(max(grad_error, rel_error(list(model.module.parameters()),
+        errors.append(max(grad_error, rel_error(list(user_module(model).parameters()),
                                                 list(ref.parameters()))))
     del model
     return errors
@@ -176,9 +195,10 @@ def plain_step(model: DDP, x: torch.Tensor) -> None:
     loss2(out).backward()
 
 
-def parity(setting_name: str, sync: str, backwards: bool, probe: bool) -> Callable[[], None]:
+def parity(setting_name: str, sync: str, backwards: bool, probe: bool,
+           settings: dict[str, Setting] = SETTINGS) -> Callable[[], None]:
     def case() -> None:
-        setting = SETTINGS[setting_name]
+        setting = settings[setting_name]
         passes = 2 + probe
         counts: dict = {}
 

@@ -92,6 +92,25 @@ def wrap(
     return model
 
 
+def wrap_replicate(model: nn.Module) -> nn.Module:
+    """``replicate_with_fsdp``'s ``replicate`` (DDP on FSDP2's machinery) on each block,
+    then the root, as ``wrap`` does with ``fully_shard``: a 1-D mesh of every rank, or
+    where a torch's replicate takes only a 2-D mesh, ``(replicate=world, shard=1)``."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    mesh = init_device_mesh(device().type, (world(),))
+    try:  # on a scratch module: a refused replicate() leaves its registry entry behind
+        replicate(nn.Linear(1, 1, device=device()), mesh=mesh)
+    except ValueError as exc:  # an HSDP-based replicate_with_fsdp
+        if "2D" not in str(exc):
+            raise
+        mesh = init_device_mesh(device().type, (world(), 1), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        replicate(block, mesh=mesh)
+    replicate(model, mesh=mesh)
+    return model
+
+
 def units(model: nn.Module) -> int:
     """FSDP units with parameters: the wrapped blocks and the root."""
     from fsdp_retain._fsdp2._inspect import fsdp2_param_groups

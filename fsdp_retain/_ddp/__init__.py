@@ -1,5 +1,7 @@
-"""The DDP backend (``DistributedDataParallel``): every private DDP access is in here."""
+"""The DDP backend (``DistributedDataParallel`` and the composable ``replicate``): every
+private DDP access is in here."""
 
 from ._block import DDPBlock
+from ._wrappers import composable_states, ddp_model
 
-__all__ = ["DDPBlock"]
+__all__ = ["DDPBlock", "composable_states", "ddp_model"]

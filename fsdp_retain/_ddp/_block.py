@@ -1,5 +1,6 @@
-"""DDP backend (``DistributedDataParallel``). All private DDP access lives here and
-in ``_buckets.py``.
+"""DDP backend (``DistributedDataParallel`` and the composable ``replicate``, whose
+reducer is DDP's: see [Note: composable replicate] in ``_wrappers.py``). All private
+DDP access lives here, in ``_buckets.py`` and in ``_wrappers.py``.
 
 What the block does to a DDP model (see [Note: how the block reduces DDP
 gradients] in ``_buckets.py``):
@@ -7,12 +8,14 @@ gradients] in ``_buckets.py``):
 - Nothing is sharded, so nothing is kept or re-gathered: ``keep_unsharded`` has no
   effect and ``reshard_to`` is refused. Every pass may build a gradient graph
   (``create_graph=True``).
-- Forwards inside the block run with ``require_backward_grad_sync`` off, so DDP's
-  reducer arms no hook. A pass that reaches the model's parameters is a block pass;
-  a pass that accumulated a gradient into one of them (a hook after accumulation)
-  reduces at its end when the policy says so: ``sync_grads="every"`` each pass,
-  ``"last"`` the last announced one (``backwards=N``) or the block exit.
-- Inside ``no_sync()`` (gradient accumulation) the block reduces nothing, as DDP.
+- Forwards inside the block run with ``require_backward_grad_sync`` off (replicate:
+  its ``_no_sync`` on), so DDP's reducer arms no hook. A pass that reaches the
+  model's parameters is a block pass; a pass that accumulated a gradient into one of
+  them (a hook after accumulation) reduces at its end when the policy says so:
+  ``sync_grads="every"`` each pass, ``"last"`` the last announced one
+  (``backwards=N``) or the block exit.
+- Inside ``no_sync()`` (replicate: after ``set_requires_gradient_sync(False)``;
+  gradient accumulation) the block reduces nothing, as DDP.
 - ``static_graph``: DDP's first-iteration delayed all-reduce is held off inside the
   block (the block reduces); DDP learns its static graph at its first step outside.
 - Probe passes differentiate against the inputs of every module with parameters
@@ -35,61 +38,75 @@ from .. import _pass_start
 from .._common import eager_modules, queue_callback, require_attr
 from .._lifecycle import BlockBase
 from .._loss_grads import GradSlots
-from .._nested import GradStashSpan, Span
+from .._nested import GradStashSpan, Span, kernel_holds
 from .._grad_layout import per_param_layout
 from .._policy import RetainOptions
 from ._buckets import FLAVOUR, Buckets
+from ._wrappers import DDPModel, ddp_model, fully_sharded_inside
 
 _MIXED_PRECISION = (
     "no_reshard_between_backwards does not support DDP's experimental mixed_precision "
     "(its comm hook upcasts on a side stream the block does not drive): use "
     "torch.autocast around the forward instead."
 )
+_FULLY_SHARDED_INSIDE = (
+    "no_reshard_between_backwards does not support replicate(...) over submodules that "
+    "fully_shard manages ({names} in the {cls}): their gradients are FSDP2's, the rest "
+    "DDP's. Shard the root too (fully_shard over a 2-D (replicate, shard) mesh: HSDP) and "
+    "pass it."
+)
 _GRADS_NEED_SYNC = (
-    "block.grads() needs each pass reduced: this DDP model is inside no_sync(). Call it "
-    "outside gradient accumulation, or on the micro-batch that syncs."
+    "block.grads() needs each pass reduced: this DDP model is inside no_sync() (or "
+    "set_requires_gradient_sync(False) under replicate). Call it outside gradient "
+    "accumulation, or on the micro-batch that syncs."
 )
 
 
 class DDPBlock(BlockBase):
-    """One ``no_reshard_between_backwards`` block on a ``DistributedDataParallel`` model."""
+    """One ``no_reshard_between_backwards`` block on a ``DistributedDataParallel`` model
+    or a module ``replicate`` was applied to."""
 
     def __init__(self, model: nn.Module, options: RetainOptions) -> None:
         super().__init__(model, options)
         options.check_reshard_to("DDP")
-        if getattr(model, "mixed_precision", None) is not None:
-            raise ValueError(_MIXED_PRECISION)
+        wrapped = ddp_model(model)
+        assert wrapped is not None, type(model)
+        sharded = fully_sharded_inside(wrapped)
+        if sharded:
+            raise ValueError(_FULLY_SHARDED_INSIDE.format(cls=type(model).__name__,
+                                                           names=", ".join(sharded[:3])))
+        self._wrapped: DDPModel = wrapped
         self._all_kept = True  # nothing to re-gather: any pass may build a graph
         self._buckets: Buckets | None = None
-        self._syncs = True  # False inside the user's no_sync()
-        self._saved: dict[str, Any] = {}
+        self._syncs = True  # False inside the user's no_sync() (replicate: sync off)
+        self._saved: list[tuple[Any, str, Any]] = []  # (object, attribute, value before)
         self._handles: list[Any] = []
         self._nodes: list[Any] = []  # the managed parameters' AccumulateGrad nodes
         self._accumulated = False  # a pass wrote .grad since the last reduction
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
-        return True
+        return self._wrapped.initialized
 
     def _init_root(self) -> None:
-        """DDP has no lazy root."""
+        """replicate builds its DDP at the first forward (``DistributedDataParallel``
+        has no lazy init)."""
+        self._wrapped.init()
 
     def _install(self) -> None:
-        ddp = self.model
+        ddp = self._wrapped.ddp
+        if getattr(ddp, "mixed_precision", None) is not None:
+            raise ValueError(_MIXED_PRECISION)
         self._buckets = Buckets(ddp)
-        require_attr(ddp, "require_backward_grad_sync", FLAVOUR)
-        self._syncs = bool(ddp.require_backward_grad_sync)
-        self._saved = {"require_backward_grad_sync": ddp.require_backward_grad_sync}
-        ddp.require_backward_grad_sync = False
+        self._syncs = self._wrapped.syncs()
+        for owner, name, value in self._wrapped.sync_off():
+            self._set(owner, name, value)
         if ddp.static_graph:
-            flag = "_static_graph_delay_allreduce_enqueued"
-            self._saved[flag] = require_attr(ddp, flag, FLAVOUR)
-            setattr(ddp, flag, True)
+            self._set(ddp, "_static_graph_delay_allreduce_enqueued", True)
         for param in self._buckets.params:
             self._handles.append(param.register_post_accumulate_grad_hook(self._on_accumulate))
             self._nodes.append(_accumulate_node(param))
-        module = ddp.module
-        for unit in eager_modules(module):
+        for unit in eager_modules(self._wrapped.module):
             if any(True for _ in unit.parameters(recurse=False)):
                 self._handles.append(self.probe_targets.hook_unit(unit))
         self._installed = True
@@ -100,10 +117,15 @@ class DDPBlock(BlockBase):
             handle.remove()
         self._handles.clear()
         self._nodes.clear()
-        for name, value in self._saved.items():
-            setattr(self.model, name, value)
-        self._saved = {}
+        for owner, name, value in reversed(self._saved):
+            setattr(owner, name, value)
+        self._saved = []
         self._release_model()
+
+    def _set(self, owner: Any, name: str, value: Any) -> None:
+        """Sets a DDP flag for the block; ``_uninstall`` puts the old value back."""
+        self._saved.append((owner, name, require_attr(owner, name, FLAVOUR)))
+        setattr(owner, name, value)
 
     def _finish(self) -> None:
         self.tracker.warn_if_short()
@@ -111,7 +133,7 @@ class DDPBlock(BlockBase):
             self._reduce()
         if self._syncs:
             # As after a synced forward: DDP broadcasts buffers at the next one.
-            self.model.require_forward_param_sync = True
+            self._wrapped.ddp.require_forward_param_sync = True
 
     def _abort(self) -> None:
         if self._accumulated and self._syncs and self._buckets is not None:
@@ -125,6 +147,9 @@ class DDPBlock(BlockBase):
             return
         if not self.probing and not any(_pass_start.will_run(n) for n in self._nodes):
             return  # another model's backward
+        assert self._buckets is not None
+        if not (self.probing or self.tracker.in_backward) and kernel_holds(self._buckets.params):
+            return  # see [Note: passes a tiled kernel holds] in fsdp_retain/_nested.py
         self._start_pass()
         queue_callback(self._on_pass_end)
 
@@ -160,8 +185,8 @@ class DDPBlock(BlockBase):
         params = self._buckets.params
         # Replicated: every rank holds the whole averaged gradient (no all-reduce of
         # a Gramian or a norm).
-        return GradSlots(params, self.model.process_group, False,
-                         per_param_layout(self.model.module, params))
+        return GradSlots(params, self._wrapped.ddp.process_group, False,
+                         per_param_layout(self._wrapped.module, params))
 
 
 def _accumulate_node(param: torch.Tensor) -> Any:
