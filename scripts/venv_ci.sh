@@ -3,11 +3,11 @@
 # replaced, via a constraints file) plus the stack. The default .venv has neither, so
 # there those tests are skipped.
 #
-#   scripts/venv_ci.sh deepspeed|bergson|st          # install, test, delete the venv
-#   scripts/venv_ci.sh deepspeed|bergson|st install  # with CI_VENV_DIR set: only make
-#                                                    # $CI_VENV_DIR/<stack> (CI, in the background)
-#   scripts/venv_ci.sh deepspeed|bergson|st test     # with CI_VENV_DIR set: test in it
-#                                                    # (installs first if it is missing)
+#   scripts/venv_ci.sh deepspeed|bergson|st|olmo          # install, test, delete the venv
+#   scripts/venv_ci.sh deepspeed|bergson|st|olmo install  # with CI_VENV_DIR set: only make
+#                                                         # $CI_VENV_DIR/<stack> (CI, in the background)
+#   scripts/venv_ci.sh deepspeed|bergson|st|olmo test     # with CI_VENV_DIR set: test in it
+#                                                         # (installs first if it is missing)
 #
 # deepspeed: tests/test_deepspeed.py with the pinned deepspeed extra, built without ops
 # (DS_BUILD_OPS=0), and transformers for the tiny Qwen2 (in the test extra).
@@ -17,15 +17,18 @@
 # `import transformers` (`operator torchvision::nms does not exist`): they are uninstalled.
 # st: tests/test_sentence_transformers.py (examples/sentence_transformers_cached.py, FSDP2
 # and FSDP1) with the st extra (sentence-transformers[train] 6.2.0: datasets, accelerate).
+# olmo: tests/test_olmo_core.py (OLMo-core's own Transformer, apply_ddp and apply_fsdp)
+# with ai2-olmo-core 3.0.0 (its base install: no extra is needed on CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv_install.sh
-stack=${1:?usage: scripts/venv_ci.sh deepspeed|bergson|st [install|test]}
+stack=${1:?usage: scripts/venv_ci.sh deepspeed|bergson|st|olmo [install|test]}
 step=${2:-all}
 case "$stack" in
   deepspeed) extras=(deepspeed test) packages=() unwanted=() tests=tests/test_deepspeed.py ;;
   bergson) extras=(test) packages=(bergson==2.5.1) unwanted=(torchvision torchaudio) tests=tests/test_bergson.py ;;
   st) extras=(st test) packages=() unwanted=() tests=tests/test_sentence_transformers.py ;;
+  olmo) extras=(test) packages=(ai2-olmo-core==3.0.0) unwanted=() tests=tests/test_olmo_core.py ;;
   *) echo "unknown stack: $stack" >&2; exit 2 ;;
 esac
 if [ -n "${CI_VENV_DIR:-}" ] && [ "$step" != all ]; then
@@ -46,4 +49,7 @@ if [ ! -f "$work/installed" ]; then
   touch "$work/installed"
 fi
 [ "$step" = install ] && exit 0
+# DeepSpeed builds its CPU op into TORCH_EXTENSIONS_DIR: a venv of its own (venvs sharing
+# one rebuild it).
+export TORCH_EXTENSIONS_DIR="$work/torch_extensions"
 "$work/venv/bin/python" -m pytest -q "$tests"
