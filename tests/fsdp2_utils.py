@@ -96,18 +96,22 @@ def wrap_replicate(model: nn.Module) -> nn.Module:
     """``replicate_with_fsdp``'s ``replicate`` (DDP on FSDP2's machinery) on each block,
     then the root, as ``wrap`` does with ``fully_shard``: a 1-D mesh of every rank, or
     where a torch's replicate takes only a 2-D mesh, ``(replicate=world, shard=1)``."""
+    import inspect
+
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    # The mesh's keyword: mesh= where replicate names it, else (torch 2.9) device_mesh=.
+    key = "mesh" if "mesh" in inspect.signature(replicate).parameters else "device_mesh"
     mesh = init_device_mesh(device().type, (world(),))
     try:  # on a scratch module: a refused replicate() leaves its registry entry behind
-        replicate(nn.Linear(1, 1, device=device()), mesh=mesh)
+        replicate(nn.Linear(1, 1, device=device()), **{key: mesh})
     except ValueError as exc:  # an HSDP-based replicate_with_fsdp
         if "2D" not in str(exc):
             raise
         mesh = init_device_mesh(device().type, (world(), 1), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
-        replicate(block, mesh=mesh)
-    replicate(model, mesh=mesh)
+        replicate(block, **{key: mesh})
+    replicate(model, **{key: mesh})
     return model
 
 
