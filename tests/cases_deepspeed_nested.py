@@ -143,15 +143,17 @@ registry.add("nested_tiled_module_grads_probe", lambda: _tiled(
     inside=False, keep=False, sync="every", backwards=False, probe=True, grads=True))
 
 
-def _cached(replay: str, keep: bool) -> None:
+def _cached(replay: str, keep: bool, engine_backward: bool = False) -> None:
     engine, ref, ref_opt = _engine(nm.make_encoder())
+    backward = engine.backward if engine_backward else None
     for step in range(3):
         queries, docs = (t.float() for t in nm.pairs(rank(), step))
         expected = _reference_step(
             ref, ref_opt, lambda model: nm.plain_ranking_step(model, queries, docs))
         with counting() as counts:
             with no_reshard_between_backwards(engine, keep_unsharded=keep) as block:
-                nm.cached_step(engine, queries, docs, MINIBATCHES, replay=replay)
+                nm.cached_step(engine, queries, docs, MINIBATCHES, replay=replay,
+                               backward=backward)
                 # One pass per replayed mini-batch; the loss's own pass never reaches
                 # the engine.
                 assert block.backward_passes == 2 * MINIBATCHES, block.backward_passes
@@ -161,6 +163,9 @@ def _cached(replay: str, keep: bool) -> None:
 
 registry.add("nested_cached_hook_keep1_every", lambda: _cached("hook", True))
 registry.add("nested_cached_after_keep0_every", lambda: _cached("after", False))
+# The Trainer's way under DeepSpeed: engine.backward of the loss whose hook replays (no
+# epilogue at a pass's end inside engine.backward: each replay runs it itself).
+registry.add("nested_cached_hook_engine_backward", lambda: _cached("hook", True, True))
 
 
 def _cached_last_refused() -> None:

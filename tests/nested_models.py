@@ -23,6 +23,8 @@ batch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -185,8 +187,11 @@ def plain_ranking_step(model: nn.Module, queries: torch.Tensor, docs: torch.Tens
 
 
 def cached_step(model: nn.Module, queries: torch.Tensor, docs: torch.Tensor,
-                minibatches: int, replay: str = "hook") -> torch.Tensor:
-    """One GradCache step over ``minibatches`` mini-batches per side; returns the loss."""
+                minibatches: int, replay: str = "hook",
+                backward: Any = None) -> torch.Tensor:
+    """One GradCache step over ``minibatches`` mini-batches per side; returns the loss.
+    ``backward``: the trainer's backward of the returned loss (default
+    ``loss.backward()``; a DeepSpeed engine's ``engine.backward`` under the Trainer)."""
     sides = [queries.chunk(minibatches), docs.chunk(minibatches)]
     with torch.no_grad():
         reps = [[model(mb).detach().requires_grad_() for mb in side] for side in sides]
@@ -213,5 +218,5 @@ def cached_step(model: nn.Module, queries: torch.Tensor, docs: torch.Tensor,
         return grad_output
 
     out.register_hook(hook)
-    (out * 1.0).backward()  # the trainer's loss.backward()
+    (backward or torch.Tensor.backward)(out * 1.0)  # the trainer's loss.backward()
     return out.detach()

@@ -337,10 +337,21 @@ class DeepSpeedBlock(BlockBase):
         # Not a top-level pass: DeepSpeed's hook on its root runs before _pass_start's.
         if self.nested.outside_block_pass and not self.tracker.in_backward:
             self._on_pass_start()
-            queue_callback(self._on_pass_end)
+            inside_engine_backward = bool(self.model._running_engine_backward)
+            queue_callback(self._on_replay_end if inside_engine_backward else self._on_pass_end)
 
     def _on_pass_end(self) -> None:
         self._end_pass()
+
+    def _on_replay_end(self) -> None:
+        """The end of a pass nested in ``engine.backward`` (a cached loss's replay under
+        the Trainer): DeepSpeed runs no epilogue at the end of a pass inside
+        ``engine.backward``, only after the whole of it, which would then find every
+        replay's gradients in its bucket (ZeRO-3's duplicate-parameter assertion). The
+        engine's epilogue reduces each replay, as it does after a ``loss.backward()``."""
+        self._end_pass()
+        if not self._pending:
+            self.model._backward_epilogue()
 
     # Gradients #
     def _accumulate_into_partitions(self) -> None:
