@@ -47,9 +47,11 @@ import runpy
 import sys
 
 
-def cpu_state_as_accelerator() -> None:
+def cpu_state_as_accelerator(deepspeed: bool = False) -> None:
     """Builds accelerate's shared ``PartialState`` on CPU (gloo) labelled MULTI_GPU, so that
-    the next ``Accelerator`` with an FSDP plugin (or DeepSpeed) sets up FSDP (DeepSpeed)."""
+    the next ``Accelerator`` with an FSDP plugin (or DeepSpeed) sets up FSDP (DeepSpeed).
+    ``deepspeed``: labelled DEEPSPEED instead, which ``TrainingArguments(deepspeed=...)``
+    requires of a configured state (``use_configured_state``)."""
     import torch
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
@@ -67,7 +69,8 @@ def cpu_state_as_accelerator() -> None:
         )
     # AcceleratorState.__init__ picks FSDP only for accelerator types, then
     # replaces this label with DistributedType.FSDP.
-    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    PartialState._shared_state["distributed_type"] = (
+        DistributedType.DEEPSPEED if deepspeed else DistributedType.MULTI_GPU)
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Two losses, one forward, in a `transformers.Trainer` under FSDP2, FSDP1 or DDP.
+"""Two losses, one forward, in a `transformers.Trainer` under FSDP2, FSDP1, DDP or DeepSpeed.
 
 Run (2 processes; CPU with gloo, or one GPU per process):
 
@@ -7,6 +7,8 @@ Run (2 processes; CPU with gloo, or one GPU per process):
     torchrun --nproc_per_node 2 examples/hf_trainer.py --fsdp 1 --no-library   # fails
     torchrun --nproc_per_node 2 examples/hf_trainer.py --ddp            # DDP
     torchrun --nproc_per_node 2 examples/hf_trainer.py --ddp --no-library      # wrong
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --deepspeed 2    # ZeRO-2 (0-3)
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --deepspeed 2 --no-library  # fails
 
 A `Trainer` subclass whose `training_step` runs one forward of a tiny Qwen2 (built in
 code, no download) and backpropagates two losses, the language-model loss and a z-loss
@@ -14,8 +16,11 @@ on the logits, one after the other (`self.accelerator.backward(loss, retain_grap
 then the second). FSDP comes from the Trainer's own arguments
 (`TrainingArguments(fsdp=..., fsdp_config={"version": 2, ...})`, accelerate's FSDP
 plugin); with `--ddp` there are none and the Trainer wraps the model in DDP itself
-(on a CPU-only machine with `use_cpu=True`). What fsdp_retain adds is marked
-`# New code #`. Guide: docs/integrations/hf_trainer.md.
+(on a CPU-only machine with `use_cpu=True`); with `--deepspeed STAGE` the Trainer's own
+`deepspeed=` argument sets up a ZeRO engine. What fsdp_retain adds is marked
+`# New code #`: the Trainer integration (`RetainTrainerMixin`) puts the block around
+every `training_step`, and under DeepSpeed steps the engine after it. Guide:
+docs/integrations/hf_trainer.md.
 
 Gradient accumulation: the Trainer tells accelerate to accumulate 1 step and divides the
 loss by `self.current_gradient_accumulation_steps` in its own `training_step`; an
@@ -37,7 +42,6 @@ all-reduces only the first backward over a forward (pytorch/pytorch#47260): with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
 import sys
@@ -58,7 +62,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 # New code #
-from fsdp_retain import no_reshard_between_backwards  # noqa: E402
+from fsdp_retain.integrations.transformers import RetainTrainerMixin  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 
@@ -73,9 +77,8 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 class TwoLossTrainer(Trainer):
-    def __init__(self, *args, library: bool = True, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.library = library
         self.seen: list[tuple[torch.Tensor, float, bool]] = []  # for the check at the end
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -83,20 +86,20 @@ class TwoLossTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         # The Trainer's own training_step divides by this; an override must too.
         steps = self.current_gradient_accumulation_steps
-        # New code #
-        # `model` is what accelerator.prepare returned (the FSDP root, or the DDP), not self.model
-        # before wrapping nor accelerator.unwrap_model(model).
-        block = no_reshard_between_backwards(model) if self.library else contextlib.nullcontext()
-        with block:
-            logits = model(input_ids=inputs["input_ids"]).logits
-            task, aux = lm_loss(logits, inputs["labels"]), z_loss(logits)
-            self.accelerator.backward(task / steps, retain_graph=True)
-            self.accelerator.backward(aux / steps)
+        logits = model(input_ids=inputs["input_ids"]).logits
+        task, aux = lm_loss(logits, inputs["labels"]), z_loss(logits)
+        self.accelerator.backward(task / steps, retain_graph=True)
+        self.accelerator.backward(aux / steps)
         loss = (task + aux).detach()
         self.seen.append((self.accelerator.gather(inputs["input_ids"]),
                           self.accelerator.reduce(loss, "mean").item(),
                           self.accelerator.sync_gradients))
         return loss / steps
+
+
+# New code #
+class RetainingTwoLossTrainer(RetainTrainerMixin, TwoLossTrainer):
+    """The same training_step, in one block (the integration wraps it)."""
 
 
 class Sequences(torch.utils.data.Dataset):
@@ -118,6 +121,27 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
     )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config)
+
+
+def deepspeed_arguments(stage: int) -> dict:
+    """The Trainer's `deepspeed=` config: ZeRO `stage`, fp32, the Trainer's SGD ("auto"
+    takes batch size, accumulation and clipping from the training arguments)."""
+    return {"deepspeed": {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+    }}
+
+
+def full_parameters(trainer: Trainer, wrapped) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, by name (a ZeRO-3 engine's gathered from its partitions)."""
+    if trainer.is_deepspeed_enabled:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        stage = wrapped.zero_optimization_stage()
+        return {n: (safe_get_full_fp32_param(p) if stage else p).detach()
+                for n, p in wrapped.module.named_parameters()}
+    return get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
 
 
 def fsdp_arguments(version: int) -> dict:
@@ -151,6 +175,11 @@ def describe(trainer: Trainer, model) -> str:
     kind = acc.distributed_type.value
     if acc.distributed_type == DistributedType.FSDP:
         kind += f" (fsdp_version {acc.state.fsdp_plugin.fsdp_version})"
+    if trainer.is_deepspeed_enabled:
+        return (f"Trainer: DeepSpeed ZeRO-{model.zero_optimization_stage()} ({kind}), "
+                f"{acc.num_processes} processes on {acc.device.type}, "
+                f"gradient_accumulation_steps {trainer.args.gradient_accumulation_steps}; "
+                f"model {type(model).__name__}")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return (f"Trainer: DDP ({kind}), {acc.num_processes} processes on {acc.device.type}, "
                 f"gradient_accumulation_steps {trainer.args.gradient_accumulation_steps}; "
@@ -172,16 +201,20 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true",
                         help="no fsdp arguments: the Trainer wraps the model in DDP "
                              "(use_cpu=True on a CPU-only machine)")
+    parser.add_argument("--deepspeed", type=int, choices=(0, 1, 2, 3), default=None,
+                        metavar="STAGE", help="the Trainer's deepspeed= config, ZeRO STAGE")
     args = parser.parse_args()
 
+    wrapper = ({} if args.ddp else deepspeed_arguments(args.deepspeed)
+               if args.deepspeed is not None else fsdp_arguments(args.fsdp))
     on_cpu = {}
     if not torch.cuda.is_available():
         if args.ddp:
             on_cpu = {"use_cpu": True}
-        else:  # CPU only: accelerate's FSDP setup on gloo, kept by the Trainer
+        else:  # CPU only: accelerate's FSDP (DeepSpeed) setup on gloo, kept by the Trainer
             from accelerate_cpu_fsdp import cpu_state_as_accelerator
 
-            cpu_state_as_accelerator()
+            cpu_state_as_accelerator(deepspeed=args.deepspeed is not None)
             on_cpu = {"accelerator_config": {"use_configured_state": True}}
     model = tiny_qwen2()
     reference = copy.deepcopy(model)  # for the check at the end
@@ -195,10 +228,11 @@ def main() -> None:
             lr_scheduler_type="constant", optim="sgd", optim_args="momentum=0.9",
             max_grad_norm=0.0, report_to="none", save_strategy="no", logging_strategy="no",
             disable_tqdm=True, dataloader_pin_memory=False, seed=42,
-            **({} if args.ddp else fsdp_arguments(args.fsdp)), **on_cpu,
+            **wrapper, **on_cpu,
         )
-        trainer = TwoLossTrainer(model=model, args=training, train_dataset=Sequences(samples),
-                                 library=not args.no_library)
+        # New code #
+        trainer_class = TwoLossTrainer if args.no_library else RetainingTwoLossTrainer
+        trainer = trainer_class(model=model, args=training, train_dataset=Sequences(samples))
         trainer.train()
     wrapped = trainer.model_wrapped
     trainer.accelerator.print(describe(trainer, wrapped))
@@ -211,7 +245,7 @@ def main() -> None:
         trainer.accelerator.print(
             f"step {step + 1}: loss {sum(losses[window]) / accumulation:.6f}, unsharded "
             f"replay {sum(reference_losses[window]) / accumulation:.6f}")
-    trained = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
+    trained = full_parameters(trainer, wrapped)
     expected = reference.state_dict()
     max_diff = max((trained[k].to(v.device) - v).abs().max().item() for k, v in expected.items())
     update = max((v - initial[k].to(v.device)).abs().max().item() for k, v in expected.items())

@@ -1,20 +1,26 @@
-"""sentence-transformers' cached (GradCache) loss in a `SentenceTransformerTrainer` under FSDP.
+"""sentence-transformers' cached (GradCache) loss in a `SentenceTransformerTrainer` under FSDP, DDP or DeepSpeed.
 
 Run (2 processes; CPU with gloo, or one GPU per process):
 
     torchrun --nproc_per_node 2 examples/sentence_transformers_cached.py               # FSDP2
     torchrun --nproc_per_node 2 examples/sentence_transformers_cached.py --fsdp 1      # FSDP1
     torchrun --nproc_per_node 2 examples/sentence_transformers_cached.py --no-library  # plain FSDP
+    torchrun --nproc_per_node 2 examples/sentence_transformers_cached.py --ddp         # DDP
+    torchrun --nproc_per_node 2 examples/sentence_transformers_cached.py --deepspeed 2 # ZeRO-2
 
 `CachedMultipleNegativesRankingLoss` embeds every mini-batch under `no_grad`, computes the
 loss on the detached embeddings, caches their gradients, and returns a loss whose hook,
 when the Trainer's one `loss.backward()` reaches it, replays each mini-batch: a forward
 with grad and `backward(cached gradient)`, a backward pass inside a backward pass. Plain
-FSDP gathers every unit for every one of those forwards and backward passes. With the
-Trainer's `training_step` inside `no_reshard_between_backwards(model)` (the `# New code #`
-below) each unit is gathered once per step. FSDP comes from the Trainer's own arguments
-(accelerate's FSDP plugin), as in examples/hf_trainer.py. Guide:
-docs/integrations/sentence_transformers.md.
+FSDP gathers every unit for every one of those forwards and backward passes; plain
+DeepSpeed ZeRO-2 fails on the replays ("Gradient computed twice for this partition",
+sentence-transformers#3173). With fsdp-retain's Trainer integration (the `# New code #`
+below: `RetainTrainerMixin` puts each `training_step` inside `no_reshard_between_backwards`,
+and under DeepSpeed steps the engine after it) each FSDP unit is gathered once per step,
+and ZeRO-1/2/3 and DDP reduce once per replayed mini-batch (`sync_grads="every"`) or once
+per step (`"last"`). FSDP comes from the Trainer's own arguments (accelerate's FSDP
+plugin), DeepSpeed from its `deepspeed=` config, as in examples/hf_trainer.py. Guide:
+docs/integrations/transformers_trainer.md.
 
 A tiny BERT (2 layers, hidden size 32, float64, no dropout) and its WordPiece vocabulary
 are written to a temporary folder and loaded as a SentenceTransformer (Transformer + mean
@@ -34,8 +40,8 @@ examples/hf_trainer.py does. Leave that out on GPUs (the script does so when CUD
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
+import functools
 import os
 import random
 import sys
@@ -67,7 +73,7 @@ from transformers import BertConfig, BertModel, BertTokenizerFast  # noqa: E402
 from fsdp_retain._measure import count_collectives  # noqa: E402
 
 # New code #
-from fsdp_retain import no_reshard_between_backwards  # noqa: E402
+from fsdp_retain.integrations.transformers import RetainTrainerMixin  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(59)]
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -75,14 +81,16 @@ HIDDEN = 32
 
 
 class CachedLossTrainer(SentenceTransformerTrainer):
-    def __init__(self, *args, library: bool = True, sync_grads: str = "every",
-                 **kwargs) -> None:
+    """Records what the check at the end needs; the training itself is the Trainer's."""
+
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.library, self.sync_grads = library, sync_grads
         self.seen: list[list[list[dict[str, torch.Tensor]]]] = []  # per step, per rank
         self.losses: list[float] = []
         self.counts: list[dict[str, int]] = []  # collectives per step
         self._counting = None
+        # Counting around the whole step, the block's entry and exit included.
+        self.training_step = functools.partial(self._counted_step, self.training_step)
 
     def compute_loss(self, *args, **kwargs):  # counting only, not the point
         loss = super().compute_loss(*args, **kwargs)  # the mini-batches' no-grad forwards
@@ -90,21 +98,16 @@ class CachedLossTrainer(SentenceTransformerTrainer):
             self._counting.mark("backward")  # from here: the Trainer's backward, the replays
         return loss
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def _counted_step(self, step, model, inputs, num_items_in_batch=None):
         features, _ = self.collect_features(dict(inputs))
-        # New code #
-        # The whole step inside the block: the no-grad forwards of the mini-batches, the
-        # loss, and the replays the loss's hook runs inside the Trainer's backward.
-        # `model` is what accelerator.prepare returned (the FSDP root under FSDP1).
-        block = (no_reshard_between_backwards(model, sync_grads=self.sync_grads)
-                 if self.library else contextlib.nullcontext())
-        with count_collectives(modules=False) as counts, block:
+        with count_collectives(modules=False) as counts:
             counts.mark("forward")
             self._counting = counts
-            loss = super().training_step(model, inputs, num_items_in_batch)
+            loss = step(model, inputs, num_items_in_batch)
         self._counting = None
         self.counts.append({
             "all_gather": counts.all_gather, "reduce_scatter": counts.reduce_scatter,
+            "all_reduce": counts.all_reduce,
             "forward_all_gather": sum(counts.groups("all_gather", "forward").values()),
             "backward_all_gather": sum(counts.groups("all_gather", "backward").values()),
         })
@@ -115,6 +118,13 @@ class CachedLossTrainer(SentenceTransformerTrainer):
         self.seen.append(gathered)
         self.losses.append(self.accelerator.reduce(loss.detach(), "mean").item())
         return loss
+
+
+# New code #
+# The whole step in one block: the no-grad forwards of the mini-batches, the loss, and the
+# replays the loss's hook runs inside the Trainer's backward.
+class RetainingCachedLossTrainer(RetainTrainerMixin, CachedLossTrainer):
+    pass
 
 
 def tiny_bert(folder: str, dtype: torch.dtype) -> SentenceTransformer:
@@ -170,6 +180,26 @@ def replay_unsharded(model: SentenceTransformer, seen, lr: float) -> list[float]
     return step_losses
 
 
+def deepspeed_arguments(stage: int) -> dict:
+    """The Trainer's `deepspeed=` config: ZeRO `stage`, fp32, the Trainer's SGD."""
+    return {"deepspeed": {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+    }}
+
+
+def full_parameters(trainer, wrapped) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, by name (a ZeRO-3 engine's gathered from its partitions)."""
+    if trainer.is_deepspeed_enabled:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        stage = wrapped.zero_optimization_stage()
+        return {n: (safe_get_full_fp32_param(p) if stage else p).detach()
+                for n, p in wrapped.module.named_parameters()}
+    return get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
+
+
 def fsdp_units(model) -> int:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
@@ -188,21 +218,32 @@ def main() -> None:
                         "not once per replayed mini-batch")
     parser.add_argument("--no-library", action="store_true",
                         help="the same step without the block")
+    parser.add_argument("--ddp", action="store_true",
+                        help="no fsdp arguments: the Trainer's DDP (use_cpu=True on CPU)")
+    parser.add_argument("--deepspeed", type=int, choices=(0, 1, 2, 3), default=None,
+                        metavar="STAGE", help="the Trainer's deepspeed= config, ZeRO STAGE")
     args = parser.parse_args()
+    backend = ("DDP" if args.ddp else f"DeepSpeed ZeRO-{args.deepspeed}"
+               if args.deepspeed is not None else f"FSDP{args.fsdp}")
+    wrapper = ({} if args.ddp else deepspeed_arguments(args.deepspeed)
+               if args.deepspeed is not None else fsdp_arguments(args.fsdp))
 
     transformers.logging.set_verbosity_error()
     # Before any process group: save_pretrained writes config.json on rank 0 only.
     # FSDP1's clip_grad_norm_ (the Trainer calls it for the logged norm) takes the norm
-    # in float32 and refuses float64 gradients.
-    dtype = torch.float64 if args.fsdp == 2 else torch.float32
+    # in float32 and refuses float64 gradients; ZeRO refuses float64 too.
+    dtype = (torch.float32 if args.deepspeed is not None or (args.fsdp == 1 and not args.ddp)
+             else torch.float64)
     tolerance = 1e-10 if dtype == torch.float64 else 1e-5
     with tempfile.TemporaryDirectory() as folder:
         model = tiny_bert(folder, dtype)
     on_cpu = {}
-    if not torch.cuda.is_available():  # CPU only: accelerate's FSDP set-up on gloo
+    if not torch.cuda.is_available() and args.ddp:
+        on_cpu = {"use_cpu": True}  # else each rank trains alone, with no DDP
+    elif not torch.cuda.is_available():  # CPU only: accelerate's FSDP / DeepSpeed on gloo
         from accelerate_cpu_fsdp import cpu_state_as_accelerator
 
-        cpu_state_as_accelerator()
+        cpu_state_as_accelerator(deepspeed=args.deepspeed is not None)
         on_cpu = {"accelerator_config": {"use_configured_state": True}}
     world = int(os.environ.get("WORLD_SIZE", "1"))
     reference = copy.deepcopy(model)  # for the check at the end
@@ -214,18 +255,21 @@ def main() -> None:
             learning_rate=args.lr, lr_scheduler_type="constant", optim="sgd",
             optim_args="momentum=0.9", max_grad_norm=0.0, report_to="none",
             save_strategy="no", logging_strategy="no", disable_tqdm=True,
-            dataloader_pin_memory=False, seed=42, **fsdp_arguments(args.fsdp), **on_cpu,
+            dataloader_pin_memory=False, seed=42, **wrapper, **on_cpu,
         )
-        trainer = CachedLossTrainer(
-            model=model, args=training, train_dataset=pairs(args.steps * args.batch * world),
-            loss=loss, library=not args.no_library, sync_grads=args.sync_grads,
-        )
+        data = pairs(args.steps * args.batch * world)
+        if args.no_library:
+            trainer = CachedLossTrainer(model=model, args=training, train_dataset=data, loss=loss)
+        else:  # New code #
+            trainer = RetainingCachedLossTrainer(
+                model=model, args=training, train_dataset=data, loss=loss,
+                retain_options={"sync_grads": args.sync_grads})
         trainer.train()
     wrapped = trainer.model_wrapped
     say = trainer.accelerator.print
-    mode = "plain FSDP (no block)" if args.no_library else f"block (sync_grads={args.sync_grads!r})"
+    mode = "plain (no block)" if args.no_library else f"block (sync_grads={args.sync_grads!r})"
     units = fsdp_units(wrapped)
-    say(f"SentenceTransformerTrainer: FSDP{args.fsdp}, {world} processes on "
+    say(f"SentenceTransformerTrainer: {backend}, {world} processes on "
         f"{trainer.accelerator.device.type}, {mode}; model {type(wrapped).__name__} with "
         f"{units} FSDP units; CachedMultipleNegativesRankingLoss, {args.batch} pairs per "
         f"process, mini_batch_size {args.mini_batch}")
@@ -236,10 +280,11 @@ def main() -> None:
             zip(trainer.counts, trainer.losses, reference_losses), start=1):
         say(f"step {step}: loss {loss_value:.9f}, uncached replay {expected:.9f}, "
             f"all_gather={counts['all_gather']} reduce_scatter={counts['reduce_scatter']} "
+            f"all_reduce={counts['all_reduce']} "
             f"forward_all_gather={counts['forward_all_gather']} "
             f"backward_all_gather={counts['backward_all_gather']}")
-    trained = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
-    expected = reference.state_dict()
+    trained = full_parameters(trainer, wrapped)
+    expected = {k: v for k, v in reference.state_dict().items() if k in trained}
     max_diff = max((trained[k].to(v.device) - v).abs().max().item() for k, v in expected.items())
     update = max((v - initial[k].to(v.device)).abs().max().item() for k, v in expected.items())
     loss_diff = max(abs(a - b) for a, b in zip(trainer.losses, reference_losses))

@@ -16,7 +16,8 @@
 # but never imports them, and with the CPU torch the registry's torchvision breaks
 # `import transformers` (`operator torchvision::nms does not exist`): they are uninstalled.
 # st: tests/test_sentence_transformers.py (examples/sentence_transformers_cached.py, FSDP2
-# and FSDP1) with the st extra (sentence-transformers[train] 6.2.0: datasets, accelerate).
+# and FSDP1, DDP, DeepSpeed ZeRO-1/2/3 through the Trainer integration) with the st extra
+# (sentence-transformers[train] 6.2.0: datasets, accelerate) and the deepspeed extra.
 # olmo: tests/test_olmo_core.py (OLMo-core's own Transformer, apply_ddp and apply_fsdp)
 # with ai2-olmo-core 3.0.0 (its base install: no extra is needed on CPU).
 set -euo pipefail
@@ -27,7 +28,7 @@ step=${2:-all}
 case "$stack" in
   deepspeed) extras=(deepspeed test) packages=() unwanted=() tests=tests/test_deepspeed.py ;;
   bergson) extras=(test) packages=(bergson==2.5.1) unwanted=(torchvision torchaudio) tests=tests/test_bergson.py ;;
-  st) extras=(st test) packages=() unwanted=() tests=tests/test_sentence_transformers.py ;;
+  st) extras=(st deepspeed test) packages=() unwanted=() tests=tests/test_sentence_transformers.py ;;
   olmo) extras=(test) packages=(ai2-olmo-core==3.0.0) unwanted=() tests=tests/test_olmo_core.py ;;
   *) echo "unknown stack: $stack" >&2; exit 2 ;;
 esac

@@ -47,6 +47,10 @@ def _install() -> None:
             )
 
     fsdp_retain.no_reshard_between_backwards = counted
+    # The Trainer integration opens its blocks through its own reference.
+    from fsdp_retain.integrations import transformers as trainer_integration
+
+    trainer_integration.no_reshard_between_backwards = counted  # type: ignore[assignment]
 
 
 def main() -> None:

@@ -67,3 +67,49 @@ def test_report_zero3_rows(tmp_path):
     assert gathers["regather:every"] > gathers["two_forward"], gathers
     assert reduces["keep:every"] == 2 * reduces["keep:last"] == reduces["two_forward"], reduces
     assert reduces["probe:every"] == reduces["keep:last"], reduces
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hf_trainer_deepspeed(stage):
+    """examples/hf_trainer.py --deepspeed STAGE: the Trainer's own deepspeed= config (2 CPU
+    ranks through examples/accelerate_cpu_fsdp.py), a two-backward training_step under the
+    Trainer integration (RetainTrainerMixin: the block around it, the engine's step after
+    it), gradient accumulation 2, 3 steps: parity with a one-process replay. Collectives
+    per block: ZeRO-2 one all-reduce per pass in every micro-batch (it partitions
+    gradients); ZeRO-3 gathers what the first forward needs and reduce-scatters once per
+    pass. (ZeRO-0 and ZeRO-1, which reduce nothing off the boundary, were run by hand.)"""
+    from tests.test_examples import HF_TRAINER_CHECK, _blocks, _check_ok, _number, _torchrun
+
+    out = _check_ok(_torchrun("hf_trainer.py", "--deepspeed", str(stage)))
+    assert (f"Trainer: DeepSpeed ZeRO-{stage} (DEEPSPEED), 2 processes on cpu, "
+            "gradient_accumulation_steps 2; model DeepSpeedEngine") in out, out
+    assert _number(r"PARITY max_diff=(\S+)", out) <= 1e-5
+    assert _number(r"largest update (\S+);", out) > 1e-3
+    # Each block also holds the example's own gather and reduce for its check.
+    blocks = [{k: v - HF_TRAINER_CHECK.get(k, 0) for k, v in b.items()} for b in _blocks(out)]
+    assert len(blocks) == 6 and all(b["passes"] == 2 for b in blocks), blocks
+    per_pass = {"passes": 2, "all_gather": 0, "reduce_scatter": 0, "all_reduce": 2}
+    if stage == 2:
+        assert blocks == [per_pass] * 6, blocks
+    else:  # the first forward gathers every module; small parameters then persist
+        assert blocks[0]["all_gather"] > 0, blocks
+        per_pass = dict(per_pass, reduce_scatter=2, all_reduce=0)
+        assert blocks[1:] == [per_pass] * 5, blocks
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hf_trainer_deepspeed_plain(stage):
+    """--deepspeed STAGE --no-library: the same training_step without the integration:
+    accelerate steps the engine after the first pass's backward, so ZeRO-2 ends away from
+    the replay, and ZeRO-3's second pass finds its parameters released."""
+    from tests.test_examples import _number, _torchrun
+
+    proc = _torchrun("hf_trainer.py", "--deepspeed", str(stage), "--no-library",
+                     count_blocks=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    if stage == 2:
+        assert "agreement: FAILED" in proc.stdout, out[-4000:]
+        assert _number(r"PARITY max_diff=(\S+)", proc.stdout) > 1e-4
+    else:
+        assert "size of tensor a (0)" in out and "agreement" not in proc.stdout, out[-4000:]

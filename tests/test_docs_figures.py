@@ -157,7 +157,8 @@ def _layout() -> tuple[str, str]:
 
 def _listed(part: str) -> set[str]:
     """Module paths relative to their package's parent (``_policy.py``, ``_fsdp1/_block.py``)."""
-    return set(re.findall(r"`(?:fsdp_retain/(?:report/)?)?((?:_\w+/)?\w+\.py)`", part))
+    return set(re.findall(r"`(?:fsdp_retain/(?:report/)?)?((?:(?:_\w+|integrations)/)?\w+\.py)`",
+                          part))
 
 
 @pytest.mark.parametrize("package", ["fsdp_retain", "fsdp_retain/report"])

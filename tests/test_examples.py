@@ -385,6 +385,11 @@ def test_accelerate_train_says_one_process():
     assert "agreement" not in proc.stdout
 
 
+# hf_trainer.py's own collectives in each training_step, for its check at the end: the
+# batch gathered and the loss reduced over the ranks (inside the integration's block).
+HF_TRAINER_CHECK = {"all_gather": 1, "all_reduce": 1}
+
+
 @pytest.mark.parametrize("fsdp, wrapper, units", [
     # FSDP2 (accelerate 1.15): the embedding, each decoder layer and [final norm, lm_head]
     # are parameter groups, the root holds none; FSDP1: each decoder layer and the root.
@@ -403,8 +408,11 @@ def test_hf_trainer(fsdp, wrapper, units):
     assert _number(r"PARITY max_diff=(\S+)", out) <= 1e-5
     assert _number(r"largest update (\S+);", out) > 1e-3
     # One all-gather per unit per micro-batch; the Trainer's no_sync micro-batch
-    # reduce-scatters nothing, the syncing one once per unit per backward (2 passes).
-    no_sync = {"passes": 2, "all_gather": units, "reduce_scatter": 0, "all_reduce": 0}
+    # reduce-scatters nothing, the syncing one once per unit per backward (2 passes). The
+    # integration's block holds the whole training_step: the example's own gather of the
+    # batch and reduce of the loss for its check too.
+    no_sync = {"passes": 2, "all_gather": units + HF_TRAINER_CHECK["all_gather"],
+               "reduce_scatter": 0, "all_reduce": HF_TRAINER_CHECK["all_reduce"]}
     assert _blocks(out) == [no_sync, dict(no_sync, reduce_scatter=2 * units)] * steps
 
 
@@ -438,8 +446,8 @@ def test_hf_trainer_ddp(library):
         # The tiny Qwen2 is one DDP bucket; the Trainer's no_sync micro-batch all-reduces
         # nothing, the syncing one per pass the bucket and DDP's used-parameter map.
         buckets, used_map = 1, 1
-        no_sync = {"passes": 2, "all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-        sync = dict(no_sync, all_reduce=2 * (buckets + used_map))
+        no_sync = {"passes": 2, "reduce_scatter": 0, **HF_TRAINER_CHECK}
+        sync = dict(no_sync, all_reduce=2 * (buckets + used_map) + HF_TRAINER_CHECK["all_reduce"])
         assert _blocks(out) == [no_sync, sync] * steps
     else:
         assert proc.returncode != 0, out[-4000:]

@@ -61,7 +61,7 @@ def test_cached_loss_block(fsdp, sync):
             f"(sync_grads='{sync}'); model {model} with {UNITS} FSDP units") in out, out
     _parity(out, fsdp)
     reduces = UNITS * (MINIBATCHES if sync == "every" else 1)
-    expected = {"all_gather": UNITS, "reduce_scatter": reduces,
+    expected = {"all_gather": UNITS, "reduce_scatter": reduces, "all_reduce": 0,
                 "forward_all_gather": UNITS, "backward_all_gather": 0}
     assert steps == [expected] * STEPS
 
@@ -75,11 +75,66 @@ def test_cached_loss_plain(fsdp):
     a recomputation and keeps it gathered); the root again per replay but the first (its
     backward reshards it)."""
     out, steps = _run("--fsdp", str(fsdp), "--no-library")
-    assert f"FSDP{fsdp}, 2 processes on cpu, plain FSDP (no block)" in out, out
+    assert f"FSDP{fsdp}, 2 processes on cpu, plain (no block)" in out, out
     _parity(out, fsdp)
     forward = 1 + MINIBATCHES * LAYERS
     backward = MINIBATCHES * LAYERS * (1 if fsdp == 2 else 2) + MINIBATCHES - 1
     expected = {"all_gather": forward + backward, "reduce_scatter": UNITS * MINIBATCHES,
-                "forward_all_gather": forward, "backward_all_gather": backward}
+                "all_reduce": 0, "forward_all_gather": forward, "backward_all_gather": backward}
     assert steps == [expected] * STEPS
     assert forward + backward == {2: 40, 1: 56}[fsdp]  # vs UNITS (3) with the block
+
+
+def _parity_of(out: str, dtype: str) -> None:
+    tolerance = 1e-10 if dtype == "float64" else 1e-5
+    assert f"({dtype}, every parameter" in out, out
+    assert _number(r"PARITY max_diff=(\S+)", out) <= tolerance
+    assert _number(r"losses: (\S+)\)", out) <= tolerance
+
+
+def test_cached_loss_ddp():
+    """--ddp (the Trainer's DDP, use_cpu=True) with the Trainer integration: right
+    (float64), with the 2 all-reduces per step plain DDP makes (plain is right too:
+    sentence-transformers syncs DDP itself, once, at the last replay)."""
+    out, steps = _run("--ddp")
+    assert ("SentenceTransformerTrainer: DDP, 2 processes on cpu, block (sync_grads='every')"
+            in out), out
+    _parity_of(out, "float64")
+    assert [s["all_reduce"] for s in steps] == [2] * STEPS, steps
+
+
+# engine.step()'s own collectives on ZeRO-1/2 (counted with the step: the integration
+# steps the engine after the block, inside training_step): 2 all-reduces (the overflow
+# check and the gradient norm) and 2 all-gathers (the updated partitions).
+ZERO12_STEP = {"all_reduce": 2, "all_gather": 2}
+
+
+@pytest.mark.parametrize("stage, sync", [(2, "every"), (2, "last"), (3, "every")],
+                         ids=["zero2", "zero2-sync-last", "zero3"])
+def test_cached_loss_deepspeed(stage, sync):
+    """--deepspeed STAGE (the Trainer's deepspeed= config, fp32) with the Trainer
+    integration: right (plain ZeRO-2 fails, sentence-transformers#3173). ZeRO-1/2 reduce
+    once per replayed mini-batch ("every") or once per step ("last"); ZeRO-3 reduce-scatters
+    once per replay (a cached loss needs "every" there)."""
+    out, steps = _run("--deepspeed", str(stage), "--sync-grads", sync)
+    assert (f"SentenceTransformerTrainer: DeepSpeed ZeRO-{stage}, 2 processes on cpu, block "
+            f"(sync_grads='{sync}')") in out, out
+    _parity_of(out, "float32")
+    if stage == 3:
+        assert [s["reduce_scatter"] for s in steps] == [MINIBATCHES] * STEPS, steps
+        return
+    reductions = MINIBATCHES if sync == "every" else 1
+    assert [s["all_reduce"] for s in steps] == [reductions + ZERO12_STEP["all_reduce"]] * STEPS
+    assert [s["all_gather"] for s in steps] == [ZERO12_STEP["all_gather"]] * STEPS
+
+
+def test_cached_loss_deepspeed_plain_zero2_fails():
+    """--deepspeed 2 --no-library: sentence-transformers#3173, the replays reduce each
+    parameter once per mini-batch and ZeRO-2 asserts."""
+    from tests.test_examples import _torchrun
+
+    proc = _torchrun("sentence_transformers_cached.py", "--deepspeed", "2", "--no-library",
+                     "--steps", "1", count_blocks=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "Gradient computed twice for this partition" in out, out[-4000:]
