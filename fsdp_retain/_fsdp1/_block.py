@@ -120,7 +120,6 @@ def _unit_input_grad(block_ref: Any, unit: Unit, grad: torch.Tensor) -> None:
         block._probe_unit_done(unit)
 
 
-
 PASS_IN_FORWARD = (
     "no_reshard_between_backwards on FSDP1: a backward pass started inside the model's "
     "forward (DeepSpeed's TiledFusedLogitsLoss runs one per shard there). FSDP1 runs its "
@@ -128,6 +127,7 @@ PASS_IN_FORWARD = (
     "fails on it too), so it is refused before it writes a gradient. Use FSDP2 "
     "(fully_shard) or DDP for a loss that runs its backward in the forward."
 )
+
 
 class FSDP1Block(BlockBase):
     """One ``no_reshard_between_backwards`` block on an FSDP1 root."""
@@ -263,10 +263,10 @@ class FSDP1Block(BlockBase):
         ledger.snapshot()
         self._post_backward.begin_pass()
 
-    @loud
     def _pass_in_forward_refusal(self) -> str | None:
         return PASS_IN_FORWARD
 
+    @loud
     def on_backward_start(self) -> None:
         """Inside the pass, before its first node runs."""
         if self._exited or self._pass_open:
