@@ -158,7 +158,8 @@ class BlockBase(BlockAPI, PassInputs, abc.ABC):
         try:
             # See [Note: why an optimizer step inside the block is refused].
             self._step_hook = refuse_step(self.model, self._block_params())
-            if isinstance(self.model, nn.Module):
+            # Only a backend that refuses a pass inside the forward counts forwards.
+            if isinstance(self.model, nn.Module) and self._pass_in_forward_refusal():
                 self._forward_hooks = [
                     self.model.register_forward_pre_hook(self._forward_starts, prepend=True),
                     self.model.register_forward_hook(self._forward_ends, always_call=True),

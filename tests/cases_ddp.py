@@ -297,19 +297,24 @@ def no_sync_accumulation() -> None:
             loss1(out).backward(retain_graph=True)
             loss2(out).backward()
 
-    def ref_losses(out: Any) -> torch.Tensor:
-        # Two micro-batches of 3, each loss a mean over its micro-batch.
-        first = (out[0][:3], out[1][:3])
-        second = (out[0][3:], out[1][3:])
-        return two_losses(first) + two_losses(second)
-
     counts: dict = {}
-    errors = train(setting, lambda m, x: micro(m, x, True, counts), ref_losses)
+    errors = train(setting, lambda m, x: micro(m, x, True, counts), two_microbatch_losses)
     assert max(errors) < TOL, errors
     assert counts["no_sync"] == 0, counts
+    assert_plain_wrong(setting, lambda m, x: micro(m, x, False, {}), two_microbatch_losses)
+
+
+def two_microbatch_losses(out: Any) -> torch.Tensor:
+    """The reference of two micro-batches of 3, each loss a mean over its micro-batch."""
+    return two_losses((out[0][:3], out[1][:3])) + two_losses((out[0][3:], out[1][3:]))
+
+
+def assert_plain_wrong(setting: Any, step: Any, ref_losses: Any) -> None:
+    """``step`` without the block: DDP's reducer refuses the second synced pass, or the
+    parameters end away from the reference."""
     try:
-        plain = train(setting, lambda m, x: micro(m, x, False, {}), ref_losses)
-    except RuntimeError as exc:  # DDP's reducer refuses the second synced pass
+        plain = train(setting, step, ref_losses)
+    except RuntimeError as exc:
         assert "mark a variable ready only once" in str(exc), exc
     else:
         assert max(plain) > 1e-2, plain
