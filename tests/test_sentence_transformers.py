@@ -109,8 +109,8 @@ def test_cached_loss_ddp():
 ZERO12_STEP = {"all_reduce": 2, "all_gather": 2}
 
 
-@pytest.mark.parametrize("stage, sync", [(2, "every"), (2, "last"), (3, "every")],
-                         ids=["zero2", "zero2-sync-last", "zero3"])
+@pytest.mark.parametrize("stage, sync", [(1, "every"), (2, "every"), (2, "last"), (3, "every")],
+                         ids=["zero1", "zero2", "zero2-sync-last", "zero3"])
 def test_cached_loss_deepspeed(stage, sync):
     """--deepspeed STAGE (the Trainer's deepspeed= config, fp32) with the Trainer
     integration: right (plain ZeRO-2 fails, sentence-transformers#3173). ZeRO-1/2 reduce
