@@ -142,9 +142,22 @@ def loud(fn):
 
 
 class Liveness:
-    """Whether a block is still open; the only state the graph's guard hooks keep."""
+    """Whether a block is still open; the only state the graph's guard hooks keep.
+
+    Graphs outlive the block: a backend hooks its modules' forward outputs with
+    ``refuse_after_exit``, registered before the wrapper's own backward hooks, so that a
+    backward reaching them after the block exited raises ``after_exit`` (the backend's
+    message, naming what the pass would break) before the wrapper runs anything."""
 
     exited = False
+
+    def __init__(self, after_exit: str) -> None:
+        self.after_exit = after_exit
+
+    @loud
+    def refuse_after_exit(self, grad: torch.Tensor) -> None:
+        if self.exited:
+            raise RetainError(self.after_exit)
 
 
 def queue_callback(fn) -> None:
@@ -203,6 +216,11 @@ def eager_modules(root: nn.Module, stop=None):
         yield module
         if not isinstance(module, OptimizedModule):
             stack.extend(c for c in module.children() if stop is None or not stop(c))
+
+
+def has_own_params(module: nn.Module) -> bool:
+    """Whether ``module`` registers a parameter itself (not through a submodule)."""
+    return any(p is not None for p in module._parameters.values())
 
 
 def compiling() -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 
 from ._common import compiling, eager_modules, grad_tensors
 
@@ -32,17 +33,12 @@ class ProbeTargets:
         autograd function; FSDP1 casts them): the probe pass then runs FSDP's
         per-unit post-backward for every unit it walks through.
         """
-        return module.register_forward_pre_hook(
-            self.record_inputs, prepend=True, with_kwargs=True
-        )
+        return hook_unit(module, self.record_inputs)
 
     def hook_sources(self, root: nn.Module) -> list[Any]:
         """Forward hook handles that record, as probe targets, the outputs of each
         module under ``root`` whose inputs need no gradient (see [Note: probe passes])."""
-        return [
-            module.register_forward_hook(self._record_sources, with_kwargs=True)
-            for module in eager_modules(root)
-        ]
+        return [hook_source(module, self._record_sources) for module in eager_modules(root)]
 
     def record_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if compiling() or not torch.is_grad_enabled() or self._in_backward():
@@ -57,12 +53,21 @@ class ProbeTargets:
         self._record(grad_tensors(output))
 
     def _record(self, tensors: list[torch.Tensor]) -> None:
-        from torch.autograd.graph import get_gradient_edge
-
         for tensor in tensors:
             # An edge keeps the autograd node, not the activation's memory.
             edge = get_gradient_edge(tensor)
             self.edges.setdefault((id(edge.node), edge.output_nr), edge)
+
+
+def hook_unit(module: nn.Module, hook: Callable[..., Any]) -> Any:
+    """``ProbeTargets.hook_unit`` with the hook given (one that calls a block's
+    ``record_inputs``: see [Note: hooks kept on the model] in ``_kept_hooks.py``)."""
+    return module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
+
+
+def hook_source(module: nn.Module, hook: Callable[..., Any]) -> Any:
+    """One of ``ProbeTargets.hook_sources``' hooks, with the hook given."""
+    return module.register_forward_hook(hook, with_kwargs=True)
 
 
 # The node of torch.utils.checkpoint(..., use_reentrant=True), which refuses

@@ -35,17 +35,16 @@ def refuse_step(
 ) -> Any:
     """Installs the refusal for ``model``'s parameters; returns the hook handle.
 
-    The parameters are taken again at each step, and either now or, with
-    ``block_params`` (every parameter object the backend registers on the
-    modules, sharded or not), from the backend at the step: FSDP2 registers
-    unsharded parameters on the module while it holds them, and the optimizer
-    was built over the sharded ones. ``block_params`` spares every entry a walk
-    over the model's parameters.
+    The parameters are taken at each step, not at entry (no walk over the model
+    while no step runs): the model's, and with ``block_params`` (every parameter
+    object the backend registers on the modules, sharded or not) the backend's:
+    FSDP2 registers unsharded parameters on the module while it holds them, and
+    the optimizer was built over the sharded ones. DDP, FSDP1 and DeepSpeed
+    register the same parameter objects from entry to exit.
     """
-    at_entry = set() if block_params is not None else {id(p) for p in model.parameters()}
 
     def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        mine = at_entry | {id(p) for p in model.parameters()}
+        mine = {id(p) for p in model.parameters()}
         if block_params is not None:
             mine.update(id(p) for p in block_params())
         if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):

@@ -36,9 +36,7 @@ import argparse
 import contextlib
 import copy
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -189,20 +187,6 @@ def profile(args, way: str, model, opt, x, rank: int) -> None:
         stats.print_stats("fsdp_retain", 30)
 
 
-def launch(args) -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(args.nproc):
-        env = dict(os.environ)
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-        procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env=env))
-    return max(p.wait() for p in procs)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="timed rounds")
@@ -224,7 +208,9 @@ def main() -> int:
     if "RANK" in os.environ:
         run_rank(args)
         return 0
-    return launch(args)
+    from _ranks import launch
+
+    return launch(__file__, args.nproc)
 
 
 if __name__ == "__main__":

@@ -575,3 +575,56 @@ def compiled_trunk_and_calls_between_passes() -> None:
 
     errors = train(SETTINGS["default"], step, two_losses, make=make, check=check)
     assert max(errors) < 1e-9, errors
+
+
+def _hook_counts(model: DDP) -> tuple[int, int]:
+    params = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.module.parameters())
+    modules = sum(len(m._forward_pre_hooks) for m in model.module.modules())
+    return params, modules
+
+
+@registry.case()
+def hooks_kept_across_blocks() -> None:
+    """[Note: hooks kept on the model]: the block's hooks are installed at the first block
+    and reused (the same count after each block, none added); a module replaced between
+    blocks builds them again, the old ones removed; a copy of the module made after a
+    block carries the modules' hooks (deepcopy copies them), which do nothing there: run
+    with grad inside the next block, it adds no probe target. Parity over 5 steps, a
+    probe pass in each."""
+    torch.manual_seed(42)
+    module = TwoHeads().double()
+    ref = copy.deepcopy(module)
+    model = DDP(module)
+    assert _hook_counts(model) == (0, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    counts, records, copy_of = [], [], None
+    for step in range(5):
+        if step == 2:  # a parameterless module replaced: the hooks are built again
+            model.module.trunk[1] = nn.Tanh()
+        x = batch(step)
+        opt.zero_grad(set_to_none=True)
+        with no_reshard_between_backwards(model) as block:
+            out = model(x)
+            targets = len(block.probe_targets.edges)
+            if copy_of is not None:
+                two_losses(copy_of(x))  # a graph of its own, with grad
+                assert len(block.probe_targets.edges) == targets, "the copy's hooks fired"
+            block.backward(out[0].sum() + out[1].sum(), param_grads=False, retain_graph=True)
+            loss1(out).backward(retain_graph=True)
+            loss2(out).backward()
+        counts.append(_hook_counts(model))
+        records.append(model.__dict__["_fsdp_retain_hooks"])
+        want = reference_grads(ref, x, two_losses)
+        got = [p.grad if p.grad is not None else torch.zeros_like(p)
+               for p in model.module.parameters()]
+        assert rel_error(got, want) < TOL, step
+        opt.step()
+        ref_opt.step()
+        copy_of = copy.deepcopy(model.module)
+    params = sum(1 for p in model.module.parameters())
+    units = sum(1 for m in model.module.modules() if m._parameters)
+    assert counts == [(params, units)] * 5, counts
+    assert records[0] is records[1] and records[1] is not records[2], "built again"
+    assert records[2] is records[3] is records[4]
+    assert rel_error(list(model.module.parameters()), list(ref.parameters())) < TOL

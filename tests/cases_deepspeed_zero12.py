@@ -503,3 +503,29 @@ def zero12_cached_without_the_block_fails() -> None:
         assert "Gradient computed twice" in str(exc) or "grads" in str(exc), exc
     else:
         raise AssertionError("plain ZeRO-2 ran a cached loss right")
+
+
+@registry.case()
+def zero12_hooks_kept_across_blocks() -> None:
+    """[Note: hooks kept on the model] on ZeRO-0 and ZeRO-2: the block's module hooks are
+    installed at the first block and reused by the next ones (one record, the same hook
+    count), with a probe pass first in each: parity over 3 steps."""
+    for stage in (0, 2):
+        scenario = Z12(stage=stage, passes=2, probe_first=True)
+        engine, ref, ref_opt = engine_for(scenario)
+        before = _module_hooks(engine)
+        records, counts = [], []
+        for step in range(scenario.steps):
+            expected = reference_step(ref, ref_opt, scenario, step)
+            micro_step(engine, scenario, step, 0)
+            assert_close(grads_of(engine, scenario), expected, f"stage {stage} step {step}",
+                         False, TOL)
+            engine.step()
+            records.append(engine.__dict__["_fsdp_retain_hooks"])
+            counts.append(_module_hooks(engine))
+        assert records[0] is records[1] is records[2], stage
+        assert counts[0] == counts[1] == counts[2] > before, (stage, before, counts)
+
+
+def _module_hooks(engine) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules())

@@ -29,18 +29,22 @@ gradients] in ``_buckets.py``):
 
 from __future__ import annotations
 
+import functools
+from operator import attrgetter
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from .. import _pass_start
-from .._common import eager_modules, queue_callback, require_attr
+from .._common import eager_modules, has_own_params, queue_callback, require_attr
+from .._kept_hooks import KeptHooks, kept_hooks, tree_signature
 from .._lifecycle import BlockBase
 from .._loss_grads import GradSlots
 from .._nested import GradStashSpan, Span, kernel_holds
 from .._grad_layout import per_param_layout
 from .._policy import RetainOptions
+from .._probe import hook_unit
 from ._buckets import FLAVOUR, Buckets
 from ._wrappers import DDPModel, ddp_model, fully_sharded_inside
 
@@ -80,7 +84,7 @@ class DDPBlock(BlockBase):
         self._buckets: Buckets | None = None
         self._syncs = True  # False inside the user's no_sync() (replicate: sync off)
         self._saved: list[tuple[Any, str, Any]] = []  # (object, attribute, value before)
-        self._handles: list[Any] = []
+        self._kept: KeptHooks | None = None
         self._nodes: list[Any] = []  # the managed parameters' AccumulateGrad nodes
         self._accumulated = False  # a pass wrote .grad since the last reduction
 
@@ -97,26 +101,35 @@ class DDPBlock(BlockBase):
         ddp = self._wrapped.ddp
         if getattr(ddp, "mixed_precision", None) is not None:
             raise ValueError(_MIXED_PRECISION)
-        self._buckets = Buckets(ddp)
+        self._buckets = Buckets.for_ddp(ddp)
         self._syncs = self._wrapped.syncs()
         for owner, name, value in self._wrapped.sync_off():
             self._set(owner, name, value)
         if ddp.static_graph:
             self._set(ddp, "_static_graph_delay_allreduce_enqueued", True)
-        for param in self._buckets.params:
-            self._handles.append(param.register_post_accumulate_grad_hook(self._on_accumulate))
-            self._nodes.append(_accumulate_node(param))
-        for unit in eager_modules(self._wrapped.module):
-            if any(True for _ in unit.parameters(recurse=False)):
-                self._handles.append(self.probe_targets.hook_unit(unit))
+        # See [Note: hooks kept on the model] in fsdp_retain/_kept_hooks.py.
+        key = (self._buckets, tree_signature(self._wrapped.module))
+        self._kept = kept_hooks(ddp, key, self._keep_hooks)
+        self._kept.block = self
+        self._nodes = self._buckets.nodes
         self._installed = True
         self._watch()
 
+    def _keep_hooks(self, kept: KeptHooks) -> None:
+        assert self._buckets is not None
+        accumulated = attrgetter("_on_accumulate")
+        for param in self._buckets.params:
+            kept.add(param, param.register_post_accumulate_grad_hook, accumulated)
+        record = attrgetter("probe_targets.record_inputs")
+        for unit in eager_modules(self._wrapped.module):
+            if has_own_params(unit):
+                kept.add(unit, functools.partial(hook_unit, unit), record)
+
     def _uninstall(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._nodes.clear()
+        if self._kept is not None:
+            self._kept.block = None
+            self._kept = None
+        self._nodes = []
         for owner, name, value in reversed(self._saved):
             setattr(owner, name, value)
         self._saved = []
@@ -188,7 +201,3 @@ class DDPBlock(BlockBase):
         return GradSlots(params, self._wrapped.ddp.process_group, False,
                          per_param_layout(self._wrapped.module, params))
 
-
-def _accumulate_node(param: torch.Tensor) -> Any:
-    """The ``AccumulateGrad`` node of a leaf (the graph holds the same one)."""
-    return param.view_as(param).grad_fn.next_functions[0][0]

@@ -36,10 +36,13 @@ import torch.distributed as dist
 from .._common import RetainError, require_attr
 
 FLAVOUR = "DDP"
+_CACHE_ATTR = "_fsdp_retain_buckets"
 
 
 class Buckets:
-    """The reduction of one DDP model's gradients, bucket by bucket."""
+    """The reduction of one DDP model's gradients, bucket by bucket. Built once per DDP
+    and requires-grad set (``for_ddp``): a block reuses its parameters and their
+    ``AccumulateGrad`` nodes."""
 
     def __init__(self, ddp: Any) -> None:
         self._reducer = require_attr(ddp, "reducer", FLAVOUR)
@@ -47,13 +50,37 @@ class Buckets:
             require_attr(self._reducer, name, FLAVOUR)
         self._group = ddp.process_group
         self._world = dist.get_world_size(self._group)
-        logging = require_attr(ddp, "_get_ddp_logging_data", FLAVOUR)()
-        # Without a comm hook the reducer's hook sums; DDP divides before it.
-        self._divide = not logging.get("comm_hook")
+        self._divide = True
         self._track_unused = bool(ddp.find_unused_parameters or ddp.static_graph)
         # What DDP reduces: its parameters that require grad, less parameters_to_ignore.
+        self._managed: list[torch.Tensor] = list(require_attr(ddp, "_module_parameters", FLAVOUR))
+        self._requires = [p.requires_grad for p in self._managed]
+        self.params: list[torch.Tensor] = [p for p in self._managed if p.requires_grad]
+        # The node autograd uses for a leaf lives as long as someone holds it: every
+        # forward's graph then reuses these (no lookup per parameter per block).
+        self.nodes: list[Any] = [_accumulate_node(p) for p in self.params]
+
+    @classmethod
+    def for_ddp(cls, ddp: Any) -> Buckets:
+        """``ddp``'s buckets, built again when its parameters or their ``requires_grad``
+        changed since the last block."""
+        cached = ddp.__dict__.get(_CACHE_ATTR)
         managed = require_attr(ddp, "_module_parameters", FLAVOUR)
-        self.params: list[torch.Tensor] = [p for p in managed if p.requires_grad]
+        if not (isinstance(cached, _Cached) and cached.buckets is not None
+                and cached.buckets._matches(managed)):
+            cached = _Cached(cls(ddp))
+            ddp.__dict__[_CACHE_ATTR] = cached
+        buckets = cached.buckets
+        assert buckets is not None
+        # Without a comm hook the reducer's hook sums; DDP divides before it.
+        logging = require_attr(ddp, "_get_ddp_logging_data", FLAVOUR)()
+        buckets._divide = not logging.get("comm_hook")
+        return buckets
+
+    def _matches(self, managed: list[torch.Tensor]) -> bool:
+        return (len(managed) == len(self._managed)
+                and all(a is b for a, b in zip(managed, self._managed))
+                and [p.requires_grad for p in managed] == self._requires)
 
     def reduce(self) -> None:
         """All-reduces every bucket into ``.grad``."""
@@ -81,14 +108,38 @@ class Buckets:
 
     @staticmethod
     def _write(params: list[torch.Tensor], flat: torch.Tensor, used: set[int] | None) -> None:
-        offset = 0
-        for param in params:
-            value = flat[offset:offset + param.numel()].view_as(param)
-            offset += param.numel()
+        values = flat.split([p.numel() for p in params])
+        into, out = [], []
+        for param, value in zip(params, values):
             if param.grad is not None:
-                param.grad.copy_(value)
+                into.append(param.grad)
+                out.append(value.view_as(param))
             elif used is None or id(param) in used:
-                param.grad = value.to(param.dtype).clone()
+                param.grad = value.view_as(param).to(param.dtype).clone()
+        if into:
+            torch._foreach_copy_(into, out)  # one call, not one copy_ per parameter
+
+
+class _Cached:
+    """Holds a DDP's ``Buckets`` on it, so that they go with the model; a copy of the
+    model builds its own."""
+
+    __slots__ = ("buckets",)
+
+    def __init__(self, buckets: Buckets | None = None) -> None:
+        self.buckets = buckets
+
+    def __deepcopy__(self, memo: dict) -> _Cached:
+        return _Cached()
+
+    def __reduce__(self) -> tuple:
+        return (_Cached, ())
+
+
+def _accumulate_node(param: torch.Tensor) -> Any:
+    """The ``AccumulateGrad`` node of a leaf (the graph holds the same one)."""
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]
 
 
 def _flat_grad(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -100,4 +151,5 @@ def _flat_grad(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             "no_reshard_between_backwards does not reduce sparse DDP gradients "
             "(an nn.Embedding(..., sparse=True)): use sparse=False inside the block."
         )
-    return grad.reshape(-1).to(dtype)
+    flat = grad.reshape(-1)
+    return flat if flat.dtype == dtype else flat.to(dtype)

@@ -49,6 +49,8 @@ another model's backward, starts from the engine output's hook, as on ZeRO-3.
 
 from __future__ import annotations
 
+import functools
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -56,11 +58,15 @@ import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 
 from .. import _pass_start
-from .._common import RetainError, eager_modules, grad_tensors, queue_callback, require_attr
+from .._common import (
+    RetainError, eager_modules, grad_tensors, has_own_params, queue_callback, require_attr,
+)
+from .._kept_hooks import KeptHooks, kept_hooks, tree_signature
 from .._lifecycle import BlockBase
 from .._loss_grads import GradSlots
 from .._nested import GradStashSpan, Span, kernel_holds
 from .._policy import RetainOptions
+from .._probe import hook_source, hook_unit
 from ._engine import UNSCALED, check_engine_common, flavour, step_inside_block, zero_stage
 from ._zero12_reduce import FullGradSlots, Reducer, Zero0Reducer
 
@@ -118,7 +124,7 @@ class DeepSpeedZero12Block(BlockBase):
         self._flavour = flavour(self.stage)
         self._root: nn.Module = require_attr(engine, "module", self._flavour)
         self._reducer = Zero0Reducer(engine) if self.stage == 0 else Reducer(engine)
-        self._hooks: list[Any] = []
+        self._kept: KeptHooks | None = None
         self._outputs: list[Any] = []  # grad_fn of the block's forwards' outputs
         self._acc_nodes: list[Any] = []  # the parameters' AccumulateGrad nodes
         self._prologue: Any = None
@@ -144,17 +150,27 @@ class DeepSpeedZero12Block(BlockBase):
         self.model.step = step_inside_block
         # Held, a parameter's node is the one every graph of the block uses.
         self._acc_nodes = [get_gradient_edge(p).node for p in self._reducer.params()]
-        self._hooks.append(self._root.register_forward_hook(self._record_outputs))
-        for module in eager_modules(self._root):
-            if any(True for _ in module.parameters(recurse=False)):
-                self._hooks.append(self.probe_targets.hook_unit(module))
-        self._hooks.extend(self.probe_targets.hook_sources(self._root))
+        # See [Note: hooks kept on the model] in fsdp_retain/_kept_hooks.py.
+        self._kept = kept_hooks(self.model, tree_signature(self._root), self._keep_hooks)
+        self._kept.block = self
         self._watch()
 
+    def _keep_hooks(self, kept: KeptHooks) -> None:
+        root = self._root
+        kept.add(root, root.register_forward_hook, attrgetter("_record_outputs"))
+        modules = list(eager_modules(root))
+        record_inputs = attrgetter("probe_targets.record_inputs")
+        for module in modules:
+            if has_own_params(module):
+                kept.add(module, functools.partial(hook_unit, module), record_inputs)
+        record_sources = attrgetter("probe_targets._record_sources")
+        for module in modules:
+            kept.add(module, functools.partial(hook_source, module), record_sources)
+
     def _uninstall(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        if self._kept is not None:
+            self._kept.block = None
+            self._kept = None
         self._outputs.clear()
         self._acc_nodes.clear()
         for name in _SHADOWED:

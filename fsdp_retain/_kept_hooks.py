@@ -1,0 +1,102 @@
+"""Hooks installed once per model and switched by the block that runs.
+
+[Note: hooks kept on the model]
+A block needs a hook on each parameter (its gradient was accumulated) and on each
+module with parameters of its own (a probe pass's targets). Installing them at every
+block entry and removing them at every exit costs host time per unit per block: for
+DDP about as much as the rest of the block together (``scripts/bench_host_cost.py``).
+So a backend installs them once per model, in a ``KeptHooks`` record kept on the model,
+and each hook calls the running block, or returns at once when no block runs (one
+Python call per unit outside a block). The record is built again, its old hooks
+removed, when what it hooked changed: the module tree or a module compiled in place
+(``tree_signature``, a walk without hooks or generators), or the backend's own key
+(DDP: its parameters and their ``requires_grad``). The record does not travel with a
+copy of the model (deepcopy, pickle): a copy builds its own at its first block. The
+module hooks themselves do travel with ``copy.deepcopy`` (it copies a module's hook
+dicts), so a hook acts only for the objects it was registered on, and does nothing on a
+copy's. Used by the DDP and DeepSpeed ZeRO-0/1/2 backends, whose hooks are only these;
+FSDP1, FSDP2 and ZeRO-3 hook their own per-unit records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+
+from ._common import is_compiled_in_place
+
+ATTR = "_fsdp_retain_hooks"
+
+
+class KeptHooks:
+    """The hooks kept on one model, and the block they call (``None``: none runs)."""
+
+    __slots__ = ("block", "handles", "key", "_owned")
+
+    def __init__(self, key: Any = None) -> None:
+        self.block: Any = None
+        self.handles: list[Any] = []
+        self.key = key
+        self._owned: set[int] = set()
+
+    def add(self, obj: Any, register: Callable[[Callable[..., Any]], Any],
+            method: Callable[[Any], Callable[..., Any]]) -> None:
+        """Registers on ``obj`` (a module or a parameter, passed to the hook first) a
+        hook that runs ``method(block)(obj, ...)`` while a block runs. A copy of the
+        model (``copy.deepcopy``) may carry the hook: it does nothing there."""
+        owned = self._owned
+
+        def hook(target: Any, *args: Any, **kwargs: Any) -> Any:
+            block = self.block
+            if block is None or id(target) not in owned:
+                return None
+            return method(block)(target, *args, **kwargs)
+
+        self.handles.append(register(hook))
+        owned.add(id(obj))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self._owned.clear()
+
+    def __deepcopy__(self, memo: dict) -> KeptHooks:
+        return KeptHooks()
+
+    def __reduce__(self) -> tuple:
+        return (KeptHooks, ())
+
+
+def kept_hooks(owner: Any, key: Any, install: Callable[[KeptHooks], None]) -> KeptHooks:
+    """The record kept on ``owner`` (the wrapper the block is given), built
+    (``install`` adds its hooks) unless one with ``key`` is there; see
+    [Note: hooks kept on the model]."""
+    record = owner.__dict__.get(ATTR)
+    if isinstance(record, KeptHooks) and record.key is not None and record.key == key:
+        return record
+    if isinstance(record, KeptHooks):
+        record.remove()
+    record = KeptHooks()
+    try:
+        install(record)
+    except BaseException:
+        record.remove()
+        raise
+    record.key = key
+    owner.__dict__[ATTR] = record
+    return record
+
+
+def tree_signature(root: nn.Module) -> tuple:
+    """The modules under ``root`` (the objects, not their ids, which a new module may
+    reuse) and which are compiled in place, in walk order."""
+    out: list[tuple[nn.Module, bool]] = []
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        out.append((module, is_compiled_in_place(module)))
+        stack.extend(m for m in module._modules.values() if m is not None)
+    return tuple(out)
