@@ -143,6 +143,17 @@ def launch(
     return result
 
 
+LAUNCH_LOG_ENV = "FSDP_RETAIN_LAUNCH_LOG"  # CI counts rank launches here (.ci/run)
+
+
+def record_launch(what: str, world_size: int) -> None:
+    """One line per rank launch in ``$FSDP_RETAIN_LAUNCH_LOG``, where it is set."""
+    path = os.environ.get(LAUNCH_LOG_ENV)
+    if path:
+        with open(path, "a") as log:
+            log.write(f"{world_size} {what}\n")
+
+
 def launch_cases(
     cases: list[tuple[str, str]],
     world_size: int = 2,
@@ -152,6 +163,7 @@ def launch_cases(
 ) -> LaunchResult:
     """Spawns ``world_size`` ranks that run ``cases`` ((module, case) pairs, in order,
     from any number of cases modules); the results are keyed ``"module:case"``."""
+    record_launch("cases " + ",".join(sorted({module for module, _ in cases})), world_size)
     timeout *= timeout_scale()
     workdir = Path(tempfile.mkdtemp(prefix="fsdp_retain_launch_"))
     port = _free_port()

@@ -77,7 +77,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.harness import EXIT_ABORT, ROOT, run_retrying_exit_abort, timeout_scale
+from tests.harness import EXIT_ABORT, ROOT, record_launch, run_retrying_exit_abort, timeout_scale
 
 EXAMPLES = ROOT / "examples"
 COUNT_BLOCKS = str(ROOT / "tests" / "count_blocks.py")
@@ -113,6 +113,7 @@ def _torchrun(script: str, *script_args: str, count_blocks: bool = True,
     variables; a rank that fails stops the other), without torchrun's own process,
     which costs ~2 s a launch; ``via_torchrun`` for the README's command itself."""
     program = ([COUNT_BLOCKS] if count_blocks else []) + [str(EXAMPLES / script), *script_args]
+    record_launch(f"example {script}", 2)
     if via_torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
         cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]

@@ -9,14 +9,13 @@ nodes (autograd-private calls as in ``_pass_start.py``).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .._common import Liveness, RetainError, grad_tensors, loud, require_attr
+from .._common import Liveness, RetainError, grad_tensors, require_attr
 from .._inputs import ParamLookup
 
 AFTER_EXIT = (
@@ -44,20 +43,13 @@ def held_node(param: torch.nn.Parameter, shape: tuple[int, ...], flavour: str) -
     return node if tuple(metadata[0].shape) == tuple(shape) else None
 
 
-@loud
-def backward_after_exit(alive: Liveness, grad: torch.Tensor) -> None:
-    """Refuses a backward over a module output of the block after the block exited."""
-    if alive.exited:
-        raise RetainError(AFTER_EXIT)
-
-
 class ForwardGraph:
     """The autograd nodes of the block's forwards: the engine module's outputs, and its
     parameters' ``AccumulateGrad`` nodes (``acc_grads`` starts with those a graph from
     before the block holds)."""
 
     def __init__(self) -> None:
-        self.alive = Liveness()  # shared with the guard hooks on the outputs' graphs
+        self.alive = Liveness(AFTER_EXIT)  # shared with the guard hooks on the outputs' graphs
         self.outputs: list[Any] = []
         self.acc_grads: list[Any] = []
         self.param_nodes: list[tuple[torch.nn.Parameter, Any]] = []  # None: see held_node
@@ -81,10 +73,9 @@ class ForwardGraph:
             self.param_nodes.append((param, node))
 
     def guard(self, output: Any) -> None:
-        """See ``backward_after_exit``."""
-        guard = functools.partial(backward_after_exit, self.alive)
+        """See ``Liveness``."""
         for tensor in grad_tensors(output):
-            tensor.register_hook(guard)  # lives as long as the graph
+            tensor.register_hook(self.alive.refuse_after_exit)  # lives as long as the graph
 
     def unreached(self, run: Callable[[Any], bool],
                   trainable: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

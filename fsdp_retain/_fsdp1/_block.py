@@ -60,7 +60,8 @@ FSDP's pre-backward moved aside, which its final callback would drop. With
 ``backwards=N`` and ``sync_grads="last"``, units the last pass does not reach
 are reduced at the block exit.
 
-Graphs outlive the block: see ``backward_after_exit`` in ``_fsdp1_guards``.
+Graphs outlive the block: see ``Liveness`` in ``_common.py`` (its message here is
+``AFTER_EXIT`` in ``_guards.py``).
 Several forwards with parameter mixed precision: see ``_fsdp1_units``.
 """
 
@@ -75,6 +76,7 @@ import torch.nn as nn
 
 from .. import _pass_start
 from .._common import (
+    Liveness,
     RetainError,
     compiling,
     grad_tensors,
@@ -100,6 +102,7 @@ from ._mechanics import (
     settle_root_forward,
 )
 from ._guards import (
+    AFTER_EXIT,
     GRADS_OF_GRADS,
     PostBackwardCheck,
     check_not_outside,
@@ -168,7 +171,7 @@ class FSDP1Block(BlockBase):
         self._units.extend(make_units(model, self._states))
         self._sync.save(self._states)
         recorder = self._recorder = ForwardRecorder(
-            model, self._units, self._fsdp.post_backward_hook
+            model, self._units, self._fsdp.post_backward_hook, Liveness(AFTER_EXIT)
         )
         ledger = self._ledger = GradLedger(model, self._units, self._states)
         self._hooks.extend(self._post_backward.install(self._units))

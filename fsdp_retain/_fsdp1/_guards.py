@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._common import Liveness, RetainError, loud
+from .._common import RetainError, loud
 
 if TYPE_CHECKING:
     from ._units import Unit
@@ -89,15 +89,6 @@ GRADS_OF_GRADS = (
     "torch.autograd.grad(..., create_graph=True) and backpropagate the outer loss "
     "with a plain .backward() in a later pass of the same block."
 )
-
-
-@loud
-def backward_after_exit(alive: Liveness, grad: torch.Tensor) -> None:
-    """Graphs outlive the block: a hook on every unit's forward outputs, registered
-    before FSDP's pre-backward hook, stays on the graph and refuses a backward that
-    reaches it after the block has exited (raising here leaves FSDP untouched)."""
-    if alive.exited:
-        raise RetainError(AFTER_EXIT)
 
 
 def check_not_outside(units: list[Unit], run) -> None:

@@ -35,7 +35,6 @@ from ._compat import (
     is_fsdp1_unit,
     unsharded_bytes,
 )
-from ._guards import backward_after_exit
 from .._policy import ShardGroup
 
 
@@ -155,11 +154,12 @@ def backward_order(model: nn.Module, units: list[Unit]) -> list[tuple[Unit, int,
 class ForwardRecorder:
     """Forward hooks that fill each ``Unit``'s per-forward fields."""
 
-    def __init__(self, model: nn.Module, units: list[Unit], post_backward_hook) -> None:
+    def __init__(self, model: nn.Module, units: list[Unit], post_backward_hook,
+                 alive: Liveness) -> None:
         self.model = model
         self.units = units
         self._post_backward_hook = post_backward_hook  # FSDP1's
-        self.alive = Liveness()  # shared with the guard hooks on the graph
+        self.alive = alive  # shared with the guard hooks on the graph
         self.forward_order: list[Any] = []  # FSDP's handles_post_forward_order
         self._unit_of: dict[int, Unit] = {}  # id(module inside a unit) -> its unit
         self._counted_hooks: list[Any] = []
@@ -194,12 +194,11 @@ class ForwardRecorder:
         return hooks
 
     def guard_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Forward hook on each unit's inner module: see ``backward_after_exit``."""
+        """Forward hook on each unit's inner module: see ``Liveness``."""
         if compiling() or not torch.is_grad_enabled():
             return
-        guard = functools.partial(backward_after_exit, self.alive)
         for t in grad_tensors(output):
-            t.register_hook(guard)  # lives as long as the graph
+            t.register_hook(self.alive.refuse_after_exit)  # lives as long as the graph
 
     def forget(self) -> None:
         """Drops every forward's record (block exit)."""

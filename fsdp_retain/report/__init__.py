@@ -20,7 +20,8 @@ The core library never imports this package. One concern per module:
 ``config.json``), ``_model`` (build and wrap), ``_step`` (the training step),
 ``_hooks`` (what a measurement wraps around a step), ``_deps`` (what it needs
 beyond torch, checked up front), ``_memory`` (peak and breakdown), ``_runner``
-(one backend on one rank), ``_rows`` (``ReportRow``: the schema of a row),
+(one backend on one rank), ``_run_measures`` (one counted or memory-tracked step),
+``_rows`` (``ReportRow``: the schema of a row),
 ``_results`` (rows from every rank, the comparisons, the report), ``_simulate``,
 ``_launch`` (ranks), ``_deepspeed`` and ``_ddp`` (the ZeRO-3 and DDP backends; ``_ddp``
 also checks that a step leaves the same gradients on every rank), ``_output`` (the files), ``_figures`` (the figures;
