@@ -23,7 +23,10 @@ is (``mean(R + g_r) = R + mean(g_r)``), as DDP's own reduction after ``no_sync``
 micro-batches does. A parameter with no gradient counts as zeros; where DDP
 tracks unused parameters (``find_unused_parameters`` or ``static_graph``) one
 all-reduce of a used-map first tells which ones no rank used, and those keep
-``.grad`` as it was (``None``), as in DDP.
+``.grad`` as it was (``None``), as in DDP. A parameter frozen after DDP was built
+(``requires_grad_(False)``) stays in DDP's buckets, so it is in the all-reduce, but
+its ``.grad`` is never written: an optimizer would otherwise see a zero gradient and
+step it (weight decay, momentum).
 """
 
 from __future__ import annotations
@@ -98,23 +101,27 @@ class Buckets:
                 result = future.wait()
                 self._write(params, result[0] if isinstance(result, list) else result, used)
 
-    def _used_anywhere(self) -> set[int] | None:
-        """``id``s of the parameters some rank has a gradient for; ``None``: all."""
+    def _used_anywhere(self) -> set[int]:
+        """``id``s of the parameters the reduction writes: those that require grad (a
+        bucket also holds any frozen since DDP was built) and, where DDP tracks unused
+        parameters, that some rank has a gradient for."""
         if not self._track_unused:
-            return None
+            return {id(p) for p in self.params}
         used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32)
         dist.all_reduce(used, group=self._group)
         return {id(p) for p, n in zip(self.params, used.tolist()) if n}
 
     @staticmethod
-    def _write(params: list[torch.Tensor], flat: torch.Tensor, used: set[int] | None) -> None:
+    def _write(params: list[torch.Tensor], flat: torch.Tensor, written: set[int]) -> None:
         values = flat.split([p.numel() for p in params])
         into, out = [], []
         for param, value in zip(params, values):
+            if id(param) not in written:
+                continue
             if param.grad is not None:
                 into.append(param.grad)
                 out.append(value.view_as(param))
-            elif used is None or id(param) in used:
+            else:
                 param.grad = value.view_as(param).to(param.dtype).clone()
         if into:
             torch._foreach_copy_(into, out)  # one call, not one copy_ per parameter
