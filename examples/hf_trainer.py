@@ -247,8 +247,8 @@ def main() -> None:
             output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
             gradient_accumulation_steps=accumulation, learning_rate=args.lr,
             lr_scheduler_type="constant", optim="sgd", optim_args="momentum=0.9",
-            max_grad_norm=args.max_grad_norm, bf16=args.bf16, report_to="none", save_strategy="no", logging_strategy="no",
-            disable_tqdm=True, dataloader_pin_memory=False, seed=42,
+            max_grad_norm=args.max_grad_norm, bf16=args.bf16, report_to="none",
+            save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_pin_memory=False, seed=42,
             **wrapper, **on_cpu,
         )
         # New code #

@@ -630,24 +630,23 @@ def hooks_kept_across_blocks() -> None:
     assert rel_error(list(model.module.parameters()), list(ref.parameters())) < TOL
 
 
-@registry.case()
-def frozen_after_wrapping_gets_no_grad() -> None:
-    """A parameter frozen after DDP was built (progressive unfreezing's other half) stays
-    in DDP's buckets: the block all-reduces it with the rest, but leaves its ``.grad``
-    as ``None`` (a zero one would let AdamW's weight decay step it). The others: parity
-    with a reference frozen the same way, over 3 steps, both ``sync_grads``."""
+def check_frozen_after_wrapping(wrap: Callable[[nn.Module], Any]) -> None:
+    """A parameter frozen after the model was wrapped (progressive unfreezing's other
+    half) stays in DDP's buckets: the block all-reduces it with the rest, but leaves its
+    ``.grad`` as ``None`` (a zero one would let AdamW's weight decay step it). The others:
+    parity with a reference frozen the same way, over 3 steps, both ``sync_grads``."""
     for sync in ("every", "last"):
         torch.manual_seed(42)
         module = TwoHeads().double()
         ref = copy.deepcopy(module)
-        model = DDP(module)
-        for frozen in (model.module.b.weight, ref.b.weight):
+        model = wrap(module)
+        for frozen in (user_module(model).b.weight, ref.b.weight):
             frozen.requires_grad_(False)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                 lr=0.01, weight_decay=0.1)
         ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad],
                                     lr=0.01, weight_decay=0.1)
-        before = model.module.b.weight.detach().clone()
+        before = user_module(model).b.weight.detach().clone()
         for step in range(STEPS):
             x = batch(step)
             opt.zero_grad(set_to_none=True)
@@ -655,16 +654,22 @@ def frozen_after_wrapping_gets_no_grad() -> None:
                 out = model(x)
                 loss1(out).backward(retain_graph=True)
                 loss2(out).backward()
-            assert model.module.b.weight.grad is None, (sync, step)
+            assert user_module(model).b.weight.grad is None, (sync, step)
             ref.zero_grad(set_to_none=True)
             two_losses(ref(x)).backward()
             trained = [p for p in ref.parameters() if p.requires_grad]
             for param in trained:
                 dist.all_reduce(param.grad)
                 param.grad /= dist.get_world_size()
-            got = [p.grad for p in model.module.parameters() if p.requires_grad]
+            got = [p.grad for p in user_module(model).parameters() if p.requires_grad]
             assert rel_error(got, [p.grad for p in trained]) < TOL, (sync, step)
             opt.step()
             ref_opt.step()
-        assert torch.equal(model.module.b.weight, before), sync
-        assert rel_error(list(model.module.parameters()), list(ref.parameters())) < TOL, sync
+        assert torch.equal(user_module(model).b.weight, before), sync
+        assert rel_error(list(user_module(model).parameters()), list(ref.parameters())) < TOL
+
+
+@registry.case()
+def frozen_after_wrapping_gets_no_grad() -> None:
+    """``check_frozen_after_wrapping`` on ``DistributedDataParallel``."""
+    check_frozen_after_wrapping(DDP)

@@ -42,6 +42,7 @@ from tests.cases_ddp import (
     TwoHeads,
     assert_plain_wrong,
     batch,
+    check_frozen_after_wrapping,
     loss1,
     loss2,
     parity,
@@ -322,3 +323,16 @@ def compiled_case(style: str) -> None:
 
 for _style in ("torchtitan", "olmo_core"):
     registry.add(f"replicate_compiled_blocks_{_style}", functools.partial(compiled_case, _style))
+
+
+@registry.case()
+def replicate_frozen_after_wrapping_gets_no_grad() -> None:
+    """``check_frozen_after_wrapping`` under replicate, whose DDP is built at the first
+    forward (here a ``no_grad`` one, before the freeze): the same buckets, the same fix."""
+    def wrap(module: nn.Module) -> nn.Module:
+        model = replicate(module)
+        with torch.no_grad():
+            model(batch(99))
+        return model
+
+    check_frozen_after_wrapping(wrap)
