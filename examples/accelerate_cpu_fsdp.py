@@ -32,11 +32,11 @@ accelerate's own FSDP branch runs: it takes the FSDP plugin, sets
 
 With a DeepSpeed config (zero3.yaml) the same state works: ``AcceleratorState`` turns
 ``ACCELERATE_USE_DEEPSPEED`` into ``DistributedType.DEEPSPEED``, and DeepSpeed adopts the
-gloo process group (``tests/test_deepspeed.py`` runs it).
+gloo process group (``tests/deepspeed/test_deepspeed.py`` runs it).
 
 That the relabel took effect is checked by the examples themselves (they refuse to run
 unless ``accelerator.distributed_type`` is FSDP or DeepSpeed) and by
-``tests/test_examples.py``, which checks the line they print: FSDP version, device
+``tests/docs/test_examples.py``, which checks the line they print: FSDP version, device
 ``cpu``, the wrapped model's class and its number of FSDP units.
 """
 

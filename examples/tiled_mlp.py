@@ -23,7 +23,7 @@ Inside ``no_reshard_between_backwards(model)`` the tiles of a pass are one backw
 FSDP: each unit gathered once per step and reduced once (see [Note: nested backward
 passes] in ``fsdp_retain/_nested.py``). (A tiled function that calls an FSDP2 unit's
 module per tile, instead of its forward, loses every tile after the first on plain
-FSDP2: ``tests/cases_nested.py``.)
+FSDP2: ``tests/nested/cases_nested.py``.)
 
 Per step it prints the all-gathers and reduce-scatters (``CollectiveCounter`` in
 examples/_shared.py); after every step it compares the parameters with a one-process

@@ -4,7 +4,7 @@ that reads them.
 ``Policy`` answers the questions every backend asks (does this pass reduce?
 is it the last known one? which units stay unsharded? may a unit be freed
 now?); ``PassTracker`` counts the passes. Neither touches torch internals, so
-both are unit-tested without ranks (``tests/test_policy.py``).
+both are unit-tested without ranks (``tests/api/test_policy.py``).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def kept_units(
     All-gathers per step never rise as the budget grows: where a larger budget
     first keeps a unit that a smaller one skipped, the smaller one had less than
     the unit's bytes left, and what it kept in them avoids no more all-gathers
-    per byte than that unit (``tests/test_budget.py`` checks it). Units that
+    per byte than that unit (``tests/options/test_budget.py`` checks it). Units that
     free nothing (0 bytes, e.g. ``NO_SHARD``) are always kept.
     """
     if isinstance(keep_unsharded, bool):

@@ -39,7 +39,7 @@ Usage::
     python scripts/docs_figures.py --get docs/report/report.json 'rows[backend=fsdp1,label=probe:every]'
 
 Run it after regenerating a source, and commit the pages with the source.
-tests/test_docs_figures.py fails when a marked figure or block differs from what its
+tests/docs/test_docs_figures.py fails when a marked figure or block differs from what its
 source gives now, and when a page states a figure or an absolute time without a
 committed source (``docs_scan.py`` beside this script: the scan, and ALLOWED with each
 exception's reason; ``--check`` lists both).

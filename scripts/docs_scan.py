@@ -10,7 +10,7 @@ measured it, so each is a marker on a committed source that records its calibrat
 (``python -m fsdp_retain.report calibrate``; ``scripts/cpu_timing.py`` writes both), or an
 ALLOWED entry whose reason says why it needs none (a limit, a GPU figure) or where its
 calibration is named. ``unused_allowances`` lists the ALLOWED entries no page matches.
-tests/test_docs_figures.py fails on either; ``python scripts/docs_figures.py --check``
+tests/docs/test_docs_figures.py fails on either; ``python scripts/docs_figures.py --check``
 lists them.
 """
 
@@ -81,8 +81,8 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("docs/gpu_validation.md", "about 20 minutes in all (estimates, not yet measured: parity "
      "2 minutes, each report backend 4, each benchmark 2 to 3)",
      "an estimate for one H100, not a CPU run (the page says it is not yet measured)"),
-    ("docs/report/README.md", "run within 10%", "the tolerance tests/test_report.py asserts"),
-    ("docs/integrations/verl.md", "run within 10%", "the tolerance tests/test_report.py asserts"),
+    ("docs/report/README.md", "run within 10%", "the tolerance tests/report/test_report.py asserts"),
+    ("docs/integrations/verl.md", "run within 10%", "the tolerance tests/report/test_report.py asserts"),
     ("docs/options.md", "separate benchmark gave 1.14x with FSDP2 and 0.98x",
      "scripts/bench_saved_tensor_check.py's output, not committed"),
     ("docs/options.md", "165 saved tensors / 104 MiB per forward",
@@ -95,7 +95,7 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("docs/integrations/bergson.md", "about 4 minutes on a 2-core CPU, 3 of them installing",
      "mostly the install's download; " + NOT_RECORDED),
     ("docs/backends.md", "the test sees 16% of the embedding's elements wrong",
-     "what a test observed (tests/cases_deepspeed*.py)"),
+     "what a test observed (tests/deepspeed/cases_deepspeed*.py)"),
     ("docs/backends.md", "bf16 (5% of each tensor's scale", "a test tolerance"),
     ("docs/backends.md", "about 5 GB each while it lives", "a venv's size on disk"),
     ("docs/multi_objective.md", "7e9 x 4 B / 8 = 3.5 GB per loss per rank (bf16 gradients: "

@@ -11,7 +11,7 @@ Stages (``--stage``, in this order; ``all`` is every one):
 - ``env``: the versions present (python, torch, CUDA, NCCL, driver, GPUs,
   transformers, accelerate, deepspeed) against what the project supports, and
   the torch features the kit needs, found by feature; installs nothing.
-- ``parity``: ``tests/cases_device.py`` on G ranks, one GPU each, NCCL (world
+- ``parity``: ``tests/repo/cases_device.py`` on G ranks, one GPU each, NCCL (world
   size G = the GPUs present): FSDP2 and FSDP1 (``NO_SHARD`` at G = 1) against
   the unsharded reference in fp32, against two forwards in bf16 mixed
   precision, probe passes, ``check_saved_tensors``; collectives by formula.
@@ -35,7 +35,7 @@ as it goes. Exit code 1: a stage failed (the summary says which); 2: no GPU.
 
 ``--dry-run`` runs the same stages on CPU/gloo (2 ranks, a 3-layer model,
 few steps) into a temporary folder (or ``--out``); CI runs it
-(``tests/test_gpu_validate.py``) so the command keeps working without a GPU.
+(``tests/repo/test_gpu_validate.py``) so the command keeps working without a GPU.
 """
 
 from __future__ import annotations
@@ -205,8 +205,8 @@ def stage_parity(folder: Folder, plan: Plan) -> bool:
         return folder.read_json("parity.json")["failed"] == 0
     if not folder.fits(plan.estimates.get("parity", 0), "the parity cases"):
         raise BudgetSpent
-    from tests import cases_device
-    from tests.harness import BACKEND_ENV, launch
+    from tests.repo import cases_device
+    from tests.support.harness import BACKEND_ENV, launch
 
     names = cases_device.registry.names(plan.world)
     backend = "nccl" if plan.device == "cuda" else "gloo"
@@ -214,10 +214,10 @@ def stage_parity(folder: Folder, plan: Plan) -> bool:
     again = ["bash", "scripts/gpu_validate.sh", "--stage", "parity", "--nproc", str(plan.world),
              "--out", str(folder.path), "--force"] + (["--dry-run"] if plan.dry_run else [])
     folder.record("parity", again)
-    say(f"parity: {len(names)} cases of tests/cases_device.py on {plan.world} {plan.device} "
+    say(f"parity: {len(names)} cases of tests/repo/cases_device.py on {plan.world} {plan.device} "
         f"rank(s), {backend}, one launch")
     start = time.monotonic()
-    result = launch("tests.cases_device", plan.world, timeout=folder.left(),
+    result = launch("tests.repo.cases_device", plan.world, timeout=folder.left(),
                     env={BACKEND_ENV: backend})
     cases = {}
     for name in names:

@@ -78,7 +78,7 @@ def _setup_line(reports: dict[str, dict], attempts: dict[str, list]) -> str:
 def _parity_md(parity: dict | None) -> list[str]:
     if parity is None:
         return ["Not run."]
-    lines = [f"`tests/cases_device.py` on {parity['world_size']} {parity['device']} rank(s) "
+    lines = [f"`tests/repo/cases_device.py` on {parity['world_size']} {parity['device']} rank(s) "
              f"({parity['process_group']}): **{parity['passed']} passed, {parity['failed']} "
              f"failed** in {parity['seconds']} s."]
     for name, case in parity["cases"].items():
@@ -156,7 +156,7 @@ def write_summary(folder: Path, *, dry_run: bool) -> Path:
                "Every figure per backend is in `report/<backend>/report.md` and `report.json`."]
     else:
         md.append("The report stage has not run.")
-    md += ["", "## Parity (tests/cases_device.py)", ""] + _parity_md(parity)
+    md += ["", "## Parity (tests/repo/cases_device.py)", ""] + _parity_md(parity)
     md += ["", "## Benchmarks", ""] + _bench_md(folder)
     md += ["", "## Machine and versions", ""] + _env_md(env)
     md += ["", "## Commands", "", "What each stage ran, from the repository root "

@@ -6,7 +6,7 @@ the compat probes, the engine-entry wrapper, the saved-tensor and graph walks). 
 they are chosen from a measurement, not by hand:
 
 1. Run the suite with each case's library lines and seconds recorded (rank 0; see
-   ``_Measure`` in tests/harness.py), on one or more torch versions::
+   ``_Measure`` in tests/support/harness.py), on one or more torch versions::
 
        FSDP_RETAIN_COVERAGE=/tmp/cov FSDP_RETAIN_CASE_TIMES=/tmp/cov/times.jsonl \\
            .venv/bin/python -m pytest -q
@@ -36,45 +36,50 @@ LAUNCH_SECONDS = 5.0  # starting the ranks of one more launch
 # Library files whose lines the subset must run: all but the report and DeepSpeed's.
 EXCLUDE = ("fsdp_retain/report/*", "fsdp_retain/_deepspeed*")
 # Tests without ranks, run whole: the policy and the engine-entry wrapper (seconds).
-ALWAYS = ("tests/test_policy.py", "tests/test_public_api.py")
+ALWAYS = ("tests/api/test_policy.py", "tests/api/test_public_api.py")
 # One parity case (against the unsharded reference, several steps) per backend and
 # option value: each pattern (fnmatch over "module:case") is met by a chosen case, the
 # cheapest one matching where the cover chose none.
-_FSDP2 = "tests.cases_fsdp2:parity"
-_FSDP1 = "tests.cases_fsdp1:parity"
+_FSDP2 = "tests.fsdp2.cases_fsdp2:parity"
+_FSDP1 = "tests.fsdp1.cases_fsdp1:parity"
 _OPTIONS = ("keep_every", "keep_last", "regather_every", "regather_last", "nbackwards",
             "backwards", "accum", "zero")
 REQUIRED = (
     *(f"{_FSDP2}_*_{opt}_*" for opt in (*_OPTIONS, "raf", "noraf")),
     *(f"{_FSDP1}_*_{opt}_*" for opt in _OPTIONS),
-    *(f"tests.cases_fsdp1:parity_{strategy}_*" for strategy in (
+    *(f"tests.fsdp1.cases_fsdp1:parity_{strategy}_*" for strategy in (
         "full_flat", "full_orig", "gradop_flat", "gradop_orig", "noshard_flat", "noshard_orig")),
-    "tests.cases_budget:budget_fsdp2_kept1_*", "tests.cases_budget:budget_fsdp1_*_kept1_*",
-    "tests.cases_probe:parity_fsdp2_*", "tests.cases_probe:parity_fsdp1_*",
-    "tests.cases_loss_grads:loss_grads_upgrad_fsdp2", "tests.cases_loss_grads:loss_grads_upgrad_fsdp1_*",
+    "tests.options.cases_budget:budget_fsdp2_kept1_*",
+    "tests.options.cases_budget:budget_fsdp1_*_kept1_*",
+    "tests.options.cases_probe:parity_fsdp2_*", "tests.options.cases_probe:parity_fsdp1_*",
+    "tests.loss_grads.cases_loss_grads:loss_grads_upgrad_fsdp2",
+    "tests.loss_grads.cases_loss_grads:loss_grads_upgrad_fsdp1_*",
     # torch.compile per block: dynamo changes most between versions, beyond library lines.
-    "tests.cases_compile:compile_*fsdp2*", "tests.cases_compile:compile_*fsdp1*",
+    "tests.real_stacks.cases_compile:compile_*fsdp2*",
+    "tests.real_stacks.cases_compile:compile_*fsdp1*",
     # The composable replicate's private state, read by name (_ddp/_wrappers.py), and
     # replicate_with_fsdp's, whose mesh argument changed between versions.
-    "tests.cases_ddp_replicate:replicate_parity_mesh_*",
-    "tests.cases_ddp_replicate:replicate_compiled_blocks_*",
-    "tests.cases_fsdp2:replicate_with_fsdp_*",
+    "tests.ddp.cases_ddp_replicate:replicate_parity_mesh_*",
+    "tests.ddp.cases_ddp_replicate:replicate_compiled_blocks_*",
+    "tests.fsdp2.cases_fsdp2:replicate_with_fsdp_*",
 )
 
 
 def case_tests() -> dict[tuple[str, int], str]:
-    """(cases module, world size) -> the pytest test that runs it, e.g. tests/test_fsdp2.py::test_fsdp2."""
+    """(cases module, world size) -> the pytest test that runs it, e.g.
+    tests/fsdp2/test_fsdp2.py::test_fsdp2."""
     sys.path.insert(0, str(ROOT))
     found = {}
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        relative = path.relative_to(ROOT)
         try:
-            mod = importlib.import_module(f"tests.{path.stem}")
+            mod = importlib.import_module(".".join(relative.with_suffix("").parts))
         except BaseException:  # noqa: BLE001 - an optional stack missing (pytest skips it)
             continue
         for name, obj in vars(mod).items():
             launch = getattr(obj, "harness_launch", None)
             if launch is not None:
-                found[launch] = f"tests/{path.name}::{name}"
+                found[launch] = f"{relative.as_posix()}::{name}"
     return found
 
 

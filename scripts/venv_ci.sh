@@ -9,16 +9,16 @@
 #   scripts/venv_ci.sh deepspeed|bergson|st|olmo test     # with CI_VENV_DIR set: test in it
 #                                                         # (installs first if it is missing)
 #
-# deepspeed: tests/test_deepspeed.py with the pinned deepspeed extra, built without ops
+# deepspeed: tests/deepspeed/test_deepspeed.py with the pinned deepspeed extra, built without ops
 # (DS_BUILD_OPS=0), and transformers for the tiny Qwen2 (in the test extra).
-# bergson: tests/test_bergson.py (examples/influence_bergson.py, FSDP2 and FSDP1) with
+# bergson: tests/clients/test_bergson.py (examples/influence_bergson.py, FSDP2 and FSDP1) with
 # bergson 2.5.1, which brings transformers. bergson declares torchvision and torchaudio
 # but never imports them, and with the CPU torch the registry's torchvision breaks
 # `import transformers` (`operator torchvision::nms does not exist`): they are uninstalled.
-# st: tests/test_sentence_transformers.py (examples/sentence_transformers_cached.py, FSDP2
+# st: tests/clients/test_sentence_transformers.py (examples/sentence_transformers_cached.py, FSDP2
 # and FSDP1, DDP, DeepSpeed ZeRO-1/2/3 through the Trainer integration) with the st extra
 # (sentence-transformers[train] 6.2.0: datasets, accelerate) and the deepspeed extra.
-# olmo: tests/test_olmo_core.py (OLMo-core's own Transformer, apply_ddp and apply_fsdp)
+# olmo: tests/clients/test_olmo_core.py (OLMo-core's own Transformer, apply_ddp and apply_fsdp)
 # with ai2-olmo-core 3.0.0 (its base install: no extra is needed on CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,10 +26,10 @@ source scripts/venv_install.sh
 stack=${1:?usage: scripts/venv_ci.sh deepspeed|bergson|st|olmo [install|test]}
 step=${2:-all}
 case "$stack" in
-  deepspeed) extras=(deepspeed test) packages=() unwanted=() tests=tests/test_deepspeed.py ;;
-  bergson) extras=(test) packages=(bergson==2.5.1) unwanted=(torchvision torchaudio) tests=tests/test_bergson.py ;;
-  st) extras=(st deepspeed test) packages=() unwanted=() tests=tests/test_sentence_transformers.py ;;
-  olmo) extras=(test) packages=(ai2-olmo-core==3.0.0) unwanted=() tests=tests/test_olmo_core.py ;;
+  deepspeed) extras=(deepspeed test) packages=() unwanted=() tests=tests/deepspeed/test_deepspeed.py ;;
+  bergson) extras=(test) packages=(bergson==2.5.1) unwanted=(torchvision torchaudio) tests=tests/clients/test_bergson.py ;;
+  st) extras=(st deepspeed test) packages=() unwanted=() tests=tests/clients/test_sentence_transformers.py ;;
+  olmo) extras=(test) packages=(ai2-olmo-core==3.0.0) unwanted=() tests=tests/clients/test_olmo_core.py ;;
   *) echo "unknown stack: $stack" >&2; exit 2 ;;
 esac
 if [ -n "${CI_VENV_DIR:-}" ] && [ "$step" != all ]; then

@@ -13,7 +13,7 @@
 (at most ``MAX_WIDTH_PX``), and its smallest text is ``MIN_FONT_PT``: shown
 800 px wide, as a README shows it, a text of ``s`` points is
 ``s * DPI / 72 * 800 / (WIDTH_IN * DPI)`` px high, at least ``MIN_TEXT_PX``
-(``smallest_text_px`` measures it; ``tests/test_report_figures.py`` checks).
+(``smallest_text_px`` measures it; ``tests/report/test_report_figures.py`` checks).
 """
 
 from __future__ import annotations

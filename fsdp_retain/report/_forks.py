@@ -3,7 +3,7 @@ model under fake tensors (``fit``'s budgets, a simulated report's modes).
 
 A child starts from the parent's state as it was at the fork, so every step starts from
 the same model: the peaks are those of steps run one after the other from a fresh build
-(``tests/test_report_fit.py`` checks ``fit``'s against the report's byte for byte).
+(``tests/report/test_report_fit.py`` checks ``fit``'s against the report's byte for byte).
 """
 
 from __future__ import annotations

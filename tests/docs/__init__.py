@@ -1,0 +1,1 @@
+"""The README, docs/ and examples/: links, quoted figures, the examples run end to end."""

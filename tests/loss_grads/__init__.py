@@ -1,0 +1,1 @@
+"""Per-loss gradients (block.grads, fsdp_retain/_loss_grads.py)."""

@@ -1,0 +1,1 @@
+"""Nested backward passes (fsdp_retain/_nested.py) on every FSDP backend."""

@@ -1,0 +1,2 @@
+"""Configurations from real training stacks: HF models, checkpointing, LoRA, torch.compile,
+tiled kernels."""

@@ -1,0 +1,1 @@
+"""The memory report (fsdp_retain/report/)."""

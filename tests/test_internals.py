@@ -1,7 +1,0 @@
-"""A private FSDP internal the block uses is missing: the block refuses at its entry,
-naming it and the torch version, and leaves FSDP unchanged (FSDP1 and FSDP2; CPU/gloo,
-world size 2; see tests/cases_internals.py)."""
-
-from tests.harness import case_tests
-
-case_tests(globals(), "tests.cases_internals", {"test_internals": (2, 300)})
