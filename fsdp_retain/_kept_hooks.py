@@ -1,10 +1,13 @@
 """Hooks installed once per model and switched by the block that runs.
 
 [Note: hooks kept on the model]
-A block needs a hook on each parameter (its gradient was accumulated) and on each
-module with parameters of its own (a probe pass's targets). Installing them at every
+A block needs a hook on each module with parameters of its own (a probe pass's
+targets; on ZeRO-0/1/2 also one on every module, the sources). Installing them at every
 block entry and removing them at every exit costs host time per unit per block: for
 DDP about as much as the rest of the block together (``scripts/bench_host_cost.py``).
+Which passes write a gradient the block learns from the pass's ``AccumulateGrad`` nodes
+(``ParamNodes`` in ``_pass_start.py``, also held per model), not from a hook on each
+parameter, which would cost a Python call per parameter per pass.
 So a backend installs them once per model, in a ``KeptHooks`` record kept on the model,
 and each hook calls the running block, or returns at once when no block runs (one
 Python call per unit outside a block). The record is built again, its old hooks
@@ -98,5 +101,5 @@ def tree_signature(root: nn.Module) -> tuple:
     while stack:
         module = stack.pop()
         out.append((module, is_compiled_in_place(module)))
-        stack.extend(m for m in module._modules.values() if m is not None)
+        stack.extend([m for m in module._modules.values() if m is not None])
     return tuple(out)

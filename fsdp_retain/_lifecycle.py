@@ -120,6 +120,9 @@ class BlockBase(BlockAPI, PassInputs, abc.ABC):
         running = self._installed and not self._exited and self.tracker.in_backward
         self.nested.enter(running)
 
+    def on_nested_start(self) -> None:
+        """Inside that backward, before its first node (``will_run`` answers for it)."""
+
     def after_nested(self) -> None:
         """When that backward returned or raised."""
         self.nested.leave()

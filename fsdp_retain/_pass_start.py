@@ -17,7 +17,8 @@ runs the watchers' ``on_backward_start()`` inside the pass, where callbacks can
 be queued and :func:`will_run` answers, before any node computes, and
 ``after_backward()`` runs when the engine returns (also on an error). A backward
 started inside a running one (reentrant activation checkpointing, a tiled MLP, a
-cached loss) runs between the watchers' ``before_nested()`` and ``after_nested()``.
+cached loss) runs between the watchers' ``before_nested()`` and ``after_nested()``,
+with ``on_nested_start()`` inside it, where :func:`will_run` answers for it.
 
 This is autograd-private access shared by every backend; FSDP and DeepSpeed
 internals stay in their backend modules. The wrapper is process-global (so is
@@ -53,6 +54,65 @@ def will_run(node) -> bool:
         return bool(torch._C._will_engine_execute_node(node))
     except RuntimeError:
         return True  # a leaf that autograd.grad captures: the pass reaches it
+
+
+_NODES_ATTR = "_fsdp_retain_param_nodes"
+
+
+class ParamNodes:
+    """A model's parameters and their ``AccumulateGrad`` nodes, held on the wrapper a
+    block is given (``param_nodes``): looked up once, not at every block. The node
+    autograd uses for a leaf lives as long as someone holds it, so every forward's
+    graph reuses these; a copy of the wrapper (``copy.deepcopy``) starts without them."""
+
+    __slots__ = ("params", "nodes")
+
+    def __init__(self, params: list | None = None) -> None:
+        self.params = list(params or [])
+        self.nodes = _lookup(self.params)
+
+    def any_run(self) -> bool:
+        """Whether the running backward executes one of the nodes (call only inside a
+        pass). Where none seems to, they are looked up again first: a parameter whose
+        storage was swapped (``set_``) has a new node."""
+        if any(map(will_run, self.nodes)):
+            return True
+        if _tracing():
+            return False  # a backward compile traces (fake tensors): no parameter of ours
+        fresh = _lookup(self.params)
+        if all(a is b for a, b in zip(fresh, self.nodes)):
+            return False
+        self.nodes = fresh
+        return any(map(will_run, fresh))
+
+    def __deepcopy__(self, memo: dict) -> ParamNodes:
+        return ParamNodes()
+
+    def __reduce__(self) -> tuple:
+        return (ParamNodes, ())
+
+
+def param_nodes(owner, params: list) -> ParamNodes:
+    """``owner``'s ``ParamNodes`` for ``params``, built again when the list changed."""
+    held = owner.__dict__.get(_NODES_ATTR)
+    if (isinstance(held, ParamNodes) and len(held.params) == len(params)
+            and all(a is b for a, b in zip(held.params, params))):
+        return held
+    held = ParamNodes(params)
+    owner.__dict__[_NODES_ATTR] = held
+    return held
+
+
+def _tracing() -> bool:
+    """Whether a fake or proxy dispatch mode is on: AOTAutograd tracing a joint graph
+    runs ``torch.autograd.grad`` (so the watchers) on fake tensors."""
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(key) is not None for key in (keys.FAKE, keys.PROXY))
+
+
+def _lookup(params: list) -> list:
+    with torch.enable_grad():
+        return [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
 
 
 def in_backward() -> bool:
@@ -152,13 +212,15 @@ def _run_backward(outputs, *args, **kwargs):
     if in_backward():
         # See [Note: nested backward passes] in _nested.py.
         watchers = list(_watchers)
-        args, kwargs = _map_inputs(watchers, _roots(outputs), args, kwargs, nested=True)
+        roots = _roots(outputs)
+        args, kwargs = _map_inputs(watchers, roots, args, kwargs, nested=True)
         entered = []
         try:
             for watcher in watchers:
                 watcher.before_nested()
                 entered.append(watcher)
-            return original(outputs, *args, **kwargs)
+            return _run_seen(original, outputs, args, kwargs, roots,
+                             [watcher.on_nested_start for watcher in watchers])
         finally:
             for watcher in entered:
                 watcher.after_nested()
@@ -169,22 +231,28 @@ def _run_backward(outputs, *args, **kwargs):
     try:
         for watcher in watchers:
             watcher.before_backward()
-        started = []
-
-        def start(grad_outputs):
-            if not started:
-                started.append(True)
-                for watcher in watchers:
-                    watcher.on_backward_start()
-
-        handles = [node.register_prehook(start) for node in roots]
-        _roots_running.append({id(node) for node in roots})
-        try:
-            return original(outputs, *args, **kwargs)
-        finally:
-            _roots_running.pop()
-            for handle in handles:
-                handle.remove()
+        return _run_seen(original, outputs, args, kwargs, roots,
+                         [watcher.on_backward_start for watcher in watchers])
     finally:
         for watcher in watchers:
             watcher.after_backward()
+
+
+def _run_seen(original, outputs, args: tuple, kwargs: dict, roots: list, calls: list):
+    """Runs the backward; ``calls`` run inside it, before its first node."""
+    started = []
+
+    def start(grad_outputs):
+        if not started:
+            started.append(True)
+            for call in calls:
+                call()
+
+    handles = [node.register_prehook(start) for node in roots]
+    _roots_running.append({id(node) for node in roots})
+    try:
+        return original(outputs, *args, **kwargs)
+    finally:
+        _roots_running.pop()
+        for handle in handles:
+            handle.remove()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ._common import compiling, eager_modules, grad_tensors
 
@@ -41,22 +41,37 @@ class ProbeTargets:
         return [hook_source(module, self._record_sources) for module in eager_modules(root)]
 
     def record_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if compiling() or not torch.is_grad_enabled() or self._in_backward():
+        if not torch.is_grad_enabled() or compiling() or self._in_backward():
             return  # no graph, or an activation-checkpointing recompute
-        self._record(grad_tensors((args, kwargs)))
+        self._record(_inputs_needing_grad(args, kwargs))
 
     def _record_sources(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if compiling() or not torch.is_grad_enabled() or self._in_backward():
+        if not torch.is_grad_enabled() or compiling() or self._in_backward():
             return
-        if grad_tensors((args, kwargs)):
+        if _inputs_needing_grad(args, kwargs):
             return  # reached through its inputs
         self._record(grad_tensors(output))
 
     def _record(self, tensors: list[torch.Tensor]) -> None:
+        edges = self.edges
         for tensor in tensors:
             # An edge keeps the autograd node, not the activation's memory.
-            edge = get_gradient_edge(tensor)
-            self.edges.setdefault((id(edge.node), edge.output_nr), edge)
+            node = tensor.grad_fn
+            if node is None or isinstance(node, torch._C._FunctionBase):
+                # A leaf (its AccumulateGrad node), or a Python function's node, which
+                # the edge holds through an ownership token (get_gradient_edge).
+                edge = get_gradient_edge(tensor)
+                edges.setdefault((id(edge.node), edge.output_nr), edge)
+            elif (key := (id(node), tensor.output_nr)) not in edges:
+                edges[key] = GradientEdge(node, tensor.output_nr)
+
+
+def _inputs_needing_grad(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """``grad_tensors`` of a module call's inputs; the common call, one plain tensor,
+    without the walk of the containers (these hooks run at every module call)."""
+    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+        return [args[0]] if args[0].requires_grad else []
+    return grad_tensors((args, kwargs))
 
 
 def hook_unit(module: nn.Module, hook: Callable[..., Any]) -> Any:

@@ -11,7 +11,8 @@ gradients] in ``_buckets.py``):
 - Forwards inside the block run with ``require_backward_grad_sync`` off (replicate:
   its ``_no_sync`` on), so DDP's reducer arms no hook. A pass that reaches the
   model's parameters is a block pass; a pass that accumulated a gradient into one of
-  them (a hook after accumulation) reduces at its end when the policy says so:
+  them (it runs their ``AccumulateGrad`` nodes: ``ParamNodes`` in ``_pass_start.py``,
+  also for a backward nested in another) reduces at its end when the policy says so:
   ``sync_grads="every"`` each pass, ``"last"`` the last announced one
   (``backwards=N``) or the block exit.
 - Inside ``no_sync()`` (replicate: after ``set_requires_gradient_sync(False)``;
@@ -33,10 +34,9 @@ import functools
 from operator import attrgetter
 from typing import Any
 
-import torch
 import torch.nn as nn
 
-from .. import _pass_start
+from .._pass_start import ParamNodes
 from .._common import eager_modules, has_own_params, queue_callback, require_attr
 from .._kept_hooks import KeptHooks, kept_hooks, tree_signature
 from .._lifecycle import BlockBase
@@ -85,7 +85,7 @@ class DDPBlock(BlockBase):
         self._syncs = True  # False inside the user's no_sync() (replicate: sync off)
         self._saved: list[tuple[Any, str, Any]] = []  # (object, attribute, value before)
         self._kept: KeptHooks | None = None
-        self._nodes: list[Any] = []  # the managed parameters' AccumulateGrad nodes
+        self._nodes = ParamNodes()  # the managed parameters' AccumulateGrad nodes
         self._accumulated = False  # a pass wrote .grad since the last reduction
 
     # Entering and leaving (see BlockBase) #
@@ -116,10 +116,6 @@ class DDPBlock(BlockBase):
         self._watch()
 
     def _keep_hooks(self, kept: KeptHooks) -> None:
-        assert self._buckets is not None
-        accumulated = attrgetter("_on_accumulate")
-        for param in self._buckets.params:
-            kept.add(param, param.register_post_accumulate_grad_hook, accumulated)
         record = attrgetter("probe_targets.record_inputs")
         for unit in eager_modules(self._wrapped.module):
             if has_own_params(unit):
@@ -129,7 +125,7 @@ class DDPBlock(BlockBase):
         if self._kept is not None:
             self._kept.block = None
             self._kept = None
-        self._nodes = []
+        self._nodes = ParamNodes()
         for owner, name, value in reversed(self._saved):
             setattr(owner, name, value)
         self._saved = []
@@ -158,25 +154,30 @@ class DDPBlock(BlockBase):
     def on_backward_start(self) -> None:
         if self._exited:
             return
-        if not self.probing and not any(_pass_start.will_run(n) for n in self._nodes):
+        accumulates = not self.probing and self._nodes.any_run()
+        if not (self.probing or accumulates):
             return  # another model's backward
+        # The pass runs a managed parameter's AccumulateGrad: it writes .grad. A probe
+        # pass writes none; what its nested passes accumulate the span drops (see [Note:
+        # nested passes on replicated gradients]).
+        self._accumulated = self._accumulated or accumulates
         assert self._buckets is not None
         if not (self.probing or self.tracker.in_backward) and kernel_holds(self._buckets.params):
             return  # see [Note: passes a tiled kernel holds] in fsdp_retain/_nested.py
         self._start_pass()
         queue_callback(self._on_pass_end)
 
+    def on_nested_start(self) -> None:
+        """A backward inside a running one (a tiled MLP's tile, a cached loss's replay
+        from a hook on another model's loss) that writes a managed ``.grad`` too."""
+        if not (self._exited or self.probing) and self._nodes.any_run():
+            self._accumulated = True
+
     def _on_pass_end(self) -> None:
         self._end_pass()
         index = self.tracker.started
         if self._accumulated and self._syncs and self.policy.reduces(index, probing=self.probing):
             self._reduce()
-
-    def _on_accumulate(self, param: torch.Tensor) -> None:
-        # A probe pass writes no parameter gradient: what its nested passes accumulate
-        # the span drops (see [Note: nested passes on replicated gradients]).
-        if not self.probing:
-            self._accumulated = True
 
     def _open_span(self) -> Span:
         # See [Note: nested passes on replicated gradients] in fsdp_retain/_nested.py.

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .._common import RetainError, require_attr
+from .._pass_start import ParamNodes, param_nodes
 
 FLAVOUR = "DDP"
 _CACHE_ATTR = "_fsdp_retain_buckets"
@@ -59,9 +60,8 @@ class Buckets:
         self._managed: list[torch.Tensor] = list(require_attr(ddp, "_module_parameters", FLAVOUR))
         self._requires = [p.requires_grad for p in self._managed]
         self.params: list[torch.Tensor] = [p for p in self._managed if p.requires_grad]
-        # The node autograd uses for a leaf lives as long as someone holds it: every
-        # forward's graph then reuses these (no lookup per parameter per block).
-        self.nodes: list[Any] = [_accumulate_node(p) for p in self.params]
+        self._trainable = {id(p) for p in self.params}
+        self.nodes: ParamNodes = param_nodes(ddp, self.params)
 
     @classmethod
     def for_ddp(cls, ddp: Any) -> Buckets:
@@ -92,7 +92,7 @@ class Buckets:
             launched = []
             for bucket in self._reducer._get_zeros_like_grad_buckets():
                 params = bucket.parameters()
-                flat = torch.cat([_flat_grad(p, bucket.buffer().dtype) for p in params])
+                flat = _flat_grads(params, bucket.buffer().dtype)
                 if self._divide:
                     flat.div_(self._world)
                 bucket.set_buffer(flat)
@@ -106,13 +106,19 @@ class Buckets:
         bucket also holds any frozen since DDP was built) and, where DDP tracks unused
         parameters, that some rank has a gradient for."""
         if not self._track_unused:
-            return {id(p) for p in self.params}
+            return self._trainable
         used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32)
         dist.all_reduce(used, group=self._group)
         return {id(p) for p, n in zip(self.params, used.tolist()) if n}
 
     @staticmethod
     def _write(params: list[torch.Tensor], flat: torch.Tensor, written: set[int]) -> None:
+        grads = [p.grad for p in params]
+        if all(g is not None and g.dtype == flat.dtype for g in grads) \
+                and all(id(p) in written for p in params):
+            # Every parameter written, into a gradient of the bucket's dtype: one call.
+            torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
+            return
         values = flat.split([p.numel() for p in params])
         into, out = [], []
         for param, value in zip(params, values):
@@ -143,10 +149,12 @@ class _Cached:
         return (_Cached, ())
 
 
-def _accumulate_node(param: torch.Tensor) -> Any:
-    """The ``AccumulateGrad`` node of a leaf (the graph holds the same one)."""
-    with torch.enable_grad():
-        return param.view_as(param).grad_fn.next_functions[0][0]
+def _flat_grads(params: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The bucket's gradients in one flat tensor of its dtype (zeros for a missing one)."""
+    grads = [p.grad for p in params]
+    if all(g is not None and g.dtype == dtype and g.layout == torch.strided for g in grads):
+        return torch._utils._flatten_dense_tensors(grads)  # one call, not one per gradient
+    return torch.cat([_flat_grad(p, dtype) for p in params])
 
 
 def _flat_grad(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

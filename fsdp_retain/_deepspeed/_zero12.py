@@ -55,7 +55,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import get_gradient_edge
 
 from .. import _pass_start
 from .._common import (
@@ -126,7 +125,7 @@ class DeepSpeedZero12Block(BlockBase):
         self._reducer = Zero0Reducer(engine) if self.stage == 0 else Reducer(engine)
         self._kept: KeptHooks | None = None
         self._outputs: list[Any] = []  # grad_fn of the block's forwards' outputs
-        self._acc_nodes: list[Any] = []  # the parameters' AccumulateGrad nodes
+        self._acc_nodes = _pass_start.ParamNodes()  # the parameters' AccumulateGrad nodes
         self._prologue: Any = None
         self._pending = False  # local gradients not reduced yet
         self._grads_pass = False  # a block.grads pass runs: FullGradSlots reduces it
@@ -148,8 +147,7 @@ class DeepSpeedZero12Block(BlockBase):
         self.model._backward_prologue = self._prologue_from_output_hook
         self.model._backward_epilogue = _no_epilogue
         self.model.step = step_inside_block
-        # Held, a parameter's node is the one every graph of the block uses.
-        self._acc_nodes = [get_gradient_edge(p).node for p in self._reducer.params()]
+        self._acc_nodes = _pass_start.param_nodes(self.model, self._reducer.params())
         # See [Note: hooks kept on the model] in fsdp_retain/_kept_hooks.py.
         self._kept = kept_hooks(self.model, tree_signature(self._root), self._keep_hooks)
         self._kept.block = self
@@ -172,7 +170,7 @@ class DeepSpeedZero12Block(BlockBase):
             self._kept.block = None
             self._kept = None
         self._outputs.clear()
-        self._acc_nodes.clear()
+        self._acc_nodes = _pass_start.ParamNodes()
         for name in _SHADOWED:
             self.model.__dict__.pop(name, None)
         if self._installed:
@@ -223,7 +221,7 @@ class DeepSpeedZero12Block(BlockBase):
         run = _pass_start.will_run
         reaches_output = any(map(run, self._outputs))
         targets = (edge.node for edge in self.probe_targets.edges.values())
-        if not (reaches_output or any(map(run, self._acc_nodes)) or any(map(run, targets))):
+        if not (reaches_output or self._acc_nodes.any_run() or any(map(run, targets))):
             return  # another model's backward
         if not (self.probing or self.tracker.in_backward) and kernel_holds(self._reducer.params()):
             return  # see [Note: passes a tiled kernel holds] in fsdp_retain/_nested.py

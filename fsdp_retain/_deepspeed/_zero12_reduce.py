@@ -50,9 +50,11 @@ class Reducer:
         self._saved_coalesce: bool | None = None
         self.flushed = False  # a flush since the last step: finish_step has work
         self.defers = False  # this micro-batch reduces nothing (defers_reduction)
+        self._params: list[torch.nn.Parameter] = []
 
     def install(self) -> None:
         self.defers = defers_reduction(self.engine)
+        self._params = self._trainable()
         self._saved_coalesce = self.opt._coalesce_grad_reduction
         self.opt._coalesce_grad_reduction = True
 
@@ -62,6 +64,10 @@ class Reducer:
         self.opt.set_gradient_accumulation_boundary(self.engine.is_gradient_accumulation_boundary())
 
     def params(self) -> list[torch.nn.Parameter]:
+        """The parameters that require grad, found once per block (at ``install``)."""
+        return self._params
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for group in self.opt.bit16_groups for p in group if p.requires_grad]
 
     def holds(self) -> bool:
@@ -132,11 +138,12 @@ class Zero0Reducer(Reducer):
 
     def install(self) -> None:
         self.defers = defers_reduction(self.engine)
+        self._params = self._trainable()
 
     def uninstall(self) -> None:
         pass
 
-    def params(self) -> list[torch.nn.Parameter]:
+    def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.engine.module.parameters() if p.requires_grad]
 
     def holds(self) -> bool:

@@ -102,6 +102,9 @@ class _Watcher:
     def before_nested(self) -> None:
         self.calls.append("nested")
 
+    def on_nested_start(self) -> None:
+        self.calls.append("nested start")
+
     def after_nested(self) -> None:
         self.calls.append("nested done")
 
@@ -195,7 +198,8 @@ def test_watchers_see_inputs_and_the_end_of_every_backward():
 
         Nested.apply(x).sum().backward()
         assert watcher.calls == [
-            "before", "start", "inputs 1 False True", "nested", "nested done", "after",
+            "before", "start", "inputs 1 False True", "nested", "nested start", "nested done",
+            "after",
         ], watcher.calls
         watcher.calls.clear()
         y = (x * 2).sum()
