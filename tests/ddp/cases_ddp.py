@@ -676,8 +676,7 @@ def frozen_after_wrapping_gets_no_grad() -> None:
     check_frozen_after_wrapping(DDP)
 
 
-@registry.case()
-def storage_swapped_between_blocks() -> None:
+def check_storage_swapped(wrap: Callable[[nn.Module], Any]) -> None:
     """Every parameter's storage swapped between blocks (``param.set_`` under ``no_grad``,
     as a checkpoint loader may do) gives each a new ``AccumulateGrad`` node; the nodes the
     block holds from the first block are looked up again when no pass seems to reach
@@ -687,13 +686,13 @@ def storage_swapped_between_blocks() -> None:
     torch.manual_seed(42)
     module = TwoHeads().double()
     ref = copy.deepcopy(module)
-    model = DDP(module)
+    model = wrap(module)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         if step:
             with torch.no_grad():
-                for param in model.module.parameters():
+                for param in user_module(model).parameters():
                     param.set_(param.detach().clone())
         x = batch(step)
         opt.zero_grad(set_to_none=True)
@@ -704,6 +703,13 @@ def storage_swapped_between_blocks() -> None:
                 loss2(out).backward()
         assert counts.all_reduce == reductions(model, 2), (step, counts.all_reduce)
         want = reference_grads(ref, x, two_losses)
-        assert rel_error([p.grad for p in model.module.parameters()], want) < TOL, step
+        got = [p.grad for p in user_module(model).parameters()]
+        assert rel_error(got, want) < TOL, step
         opt.step()
         ref_opt.step()
+
+
+@registry.case()
+def storage_swapped_between_blocks() -> None:
+    """``check_storage_swapped`` on ``DistributedDataParallel``."""
+    check_storage_swapped(DDP)

@@ -43,6 +43,7 @@ from tests.ddp.cases_ddp import (
     assert_plain_wrong,
     batch,
     check_frozen_after_wrapping,
+    check_storage_swapped,
     loss1,
     loss2,
     parity,
@@ -336,3 +337,15 @@ def replicate_frozen_after_wrapping_gets_no_grad() -> None:
         return model
 
     check_frozen_after_wrapping(wrap)
+
+
+@registry.case()
+def replicate_storage_swapped_between_blocks() -> None:
+    """``check_storage_swapped`` under replicate (the same ``ParamNodes``, held on its DDP)."""
+    def wrap(module: nn.Module) -> nn.Module:
+        model = replicate(module)
+        with torch.no_grad():
+            model(batch(99))
+        return model
+
+    check_storage_swapped(wrap)
