@@ -110,7 +110,7 @@ class BlockAPI:
                 "param_grads=True to accumulate the gradients of those parameters."
             )
         refuse_reentrant_checkpoint(loss)
-        edges = list(self.probe_targets.edges.values())
+        edges = self.probe_targets.edges()
         if not edges:
             raise ValueError(
                 "block.backward(..., param_grads=False) has nothing to differentiate "

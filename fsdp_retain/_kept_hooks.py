@@ -28,8 +28,6 @@ from typing import Any
 
 import torch.nn as nn
 
-from ._common import is_compiled_in_place
-
 ATTR = "_fsdp_retain_hooks"
 
 
@@ -95,11 +93,16 @@ def kept_hooks(owner: Any, key: Any, install: Callable[[KeptHooks], None]) -> Ke
 
 def tree_signature(root: nn.Module) -> tuple:
     """The modules under ``root`` (the objects, not their ids, which a new module may
-    reuse) and which are compiled in place, in walk order."""
-    out: list[tuple[nn.Module, bool]] = []
-    stack = [root]
+    reuse), each followed by whether it is compiled in place, in walk order. It runs at
+    every block entry: ``is_compiled_in_place`` inline, one flat tuple."""
+    out: list[Any] = []
+    stack: list[Any] = [root]
+    pop, extend, append = stack.pop, stack.extend, out.append
     while stack:
-        module = stack.pop()
-        out.append((module, is_compiled_in_place(module)))
-        stack.extend([m for m in module._modules.values() if m is not None])
+        module = pop()
+        if module is None:
+            continue
+        append(module)
+        append(getattr(module, "_compiled_call_impl", None) is not None)
+        extend(module._modules.values())
     return tuple(out)

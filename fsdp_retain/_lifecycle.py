@@ -186,7 +186,7 @@ class BlockBase(BlockAPI, PassInputs, abc.ABC):
 
     def exit(self, exc: BaseException | None) -> None:
         self._exited = True
-        self.probe_targets.edges.clear()
+        self.probe_targets.clear()
         try:
             if not self._installed:
                 return

@@ -19,11 +19,30 @@ from ._common import compiling, eager_modules, grad_tensors
 
 
 class ProbeTargets:
-    """The probe pass's targets: (id(node), output_nr) -> GradientEdge."""
+    """The probe pass's targets, recorded during the block's forwards: ``edges()``.
+
+    A hook runs at every module call, so it only appends ``(node, output_nr)`` (an
+    edge keeps the autograd node, not the activation's memory); ``edges()`` makes the
+    ``GradientEdge``s, one per edge, when a pass needs them."""
 
     def __init__(self, in_backward: Callable[[], bool]) -> None:
-        self.edges: dict[tuple[int, int], Any] = {}
+        self._found: list[tuple] = []  # as recorded, repeats included
+        self._edges: dict[tuple[int, int], GradientEdge] = {}  # (id(node), output_nr)
         self._in_backward = in_backward
+
+    def edges(self) -> list[GradientEdge]:
+        """Every edge recorded since ``clear()``, once each."""
+        found, edges = self._found, self._edges
+        for item in found:
+            key = (id(item[0]), item[1])
+            if key not in edges:
+                edges[key] = item if type(item) is GradientEdge else GradientEdge(*item)
+        found.clear()
+        return list(edges.values())
+
+    def clear(self) -> None:
+        self._found.clear()
+        self._edges.clear()
 
     def hook_unit(self, module: nn.Module) -> Any:
         """Forward pre-hook handle that records ``module``'s inputs as probe targets.
@@ -43,35 +62,43 @@ class ProbeTargets:
     def record_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not torch.is_grad_enabled() or compiling() or self._in_backward():
             return  # no graph, or an activation-checkpointing recompute
-        self._record(_inputs_needing_grad(args, kwargs))
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+            # The common call, one plain tensor: no walk of the containers.
+            tensor = args[0]
+            if tensor.requires_grad:
+                node = tensor.grad_fn
+                if node is not None and not isinstance(node, torch._C._FunctionBase):
+                    self._found.append((node, tensor.output_nr))
+                else:
+                    self._record([tensor])
+            return
+        self._record(grad_tensors((args, kwargs)))
 
     def _record_sources(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or compiling() or self._in_backward():
             return
-        if _inputs_needing_grad(args, kwargs):
+        if _needs_grad(args, kwargs):
             return  # reached through its inputs
         self._record(grad_tensors(output))
 
     def _record(self, tensors: list[torch.Tensor]) -> None:
-        edges = self.edges
+        found = self._found
         for tensor in tensors:
-            # An edge keeps the autograd node, not the activation's memory.
             node = tensor.grad_fn
             if node is None or isinstance(node, torch._C._FunctionBase):
                 # A leaf (its AccumulateGrad node), or a Python function's node, which
                 # the edge holds through an ownership token (get_gradient_edge).
-                edge = get_gradient_edge(tensor)
-                edges.setdefault((id(edge.node), edge.output_nr), edge)
-            elif (key := (id(node), tensor.output_nr)) not in edges:
-                edges[key] = GradientEdge(node, tensor.output_nr)
+                found.append(get_gradient_edge(tensor))
+            else:
+                found.append((node, tensor.output_nr))
 
 
-def _inputs_needing_grad(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """``grad_tensors`` of a module call's inputs; the common call, one plain tensor,
+def _needs_grad(args: tuple, kwargs: dict) -> bool:
+    """Whether a module call's inputs require grad; the common call, one plain tensor,
     without the walk of the containers (these hooks run at every module call)."""
     if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
-        return [args[0]] if args[0].requires_grad else []
-    return grad_tensors((args, kwargs))
+        return args[0].requires_grad
+    return bool(grad_tensors((args, kwargs)))
 
 
 def hook_unit(module: nn.Module, hook: Callable[..., Any]) -> Any:

@@ -15,7 +15,10 @@ one ``register_comm_hook`` installed, fp16/bf16 compression included, or a sum
 all-reduce, after which the block divides by the world size as DDP does). One
 collective per bucket per reduction; all of them are launched before the first
 is waited on. The buckets' buffers live only during the reduction (one
-gradient-size buffer, as DDP's own bucket buffers outside the block).
+gradient-size buffer, as DDP's own bucket buffers outside the block). The bucket
+objects are fetched once and reused, until DDP rebuilds its buckets (after its first
+synced iteration) or changes its process group: each fetch allocates and zeroes a
+gradient-size buffer, which took as long as the all-reduce itself on a CPU run.
 
 What is reduced is the accumulated ``.grad``, not only the pass's part: the part
 reduced before is the same on every rank, so averaging it again leaves it as it
@@ -31,6 +34,8 @@ step it (weight decay, momentum).
 
 from __future__ import annotations
 
+import operator
+import weakref
 from typing import Any
 
 import torch
@@ -41,6 +46,7 @@ from .._pass_start import ParamNodes, param_nodes
 
 FLAVOUR = "DDP"
 _CACHE_ATTR = "_fsdp_retain_buckets"
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class Buckets:
@@ -53,6 +59,9 @@ class Buckets:
         for name in ("_get_zeros_like_grad_buckets", "_run_comm_hook"):
             require_attr(self._reducer, name, FLAVOUR)
         self._group = ddp.process_group
+        self._ddp = weakref.ref(ddp)
+        self._grad_buckets: list[tuple[Any, list[torch.Tensor], torch.dtype]] = []
+        self._layout: Any = None  # what _grad_buckets were fetched under
         self._world = dist.get_world_size(self._group)
         self._divide = True
         self._track_unused = bool(ddp.find_unused_parameters or ddp.static_graph)
@@ -82,24 +91,41 @@ class Buckets:
 
     def _matches(self, managed: list[torch.Tensor]) -> bool:
         return (len(managed) == len(self._managed)
-                and all(a is b for a, b in zip(managed, self._managed))
-                and [p.requires_grad for p in managed] == self._requires)
+                and all(map(operator.is_, managed, self._managed))
+                and list(map(_REQUIRES_GRAD, managed)) == self._requires)
 
     def reduce(self) -> None:
         """All-reduces every bucket into ``.grad``."""
         with torch.no_grad():
             used = self._used_anywhere()
             launched = []
-            for bucket in self._reducer._get_zeros_like_grad_buckets():
-                params = bucket.parameters()
-                flat = _flat_grads(params, bucket.buffer().dtype)
-                if self._divide:
-                    flat.div_(self._world)
-                bucket.set_buffer(flat)
-                launched.append((params, self._reducer._run_comm_hook(bucket)))
-            for params, future in launched:
-                result = future.wait()
-                self._write(params, result[0] if isinstance(result, list) else result, used)
+            grad_buckets = self._fetch()
+            try:
+                for bucket, params, dtype in grad_buckets:
+                    flat = _flat_grads(params, dtype)
+                    if self._divide:
+                        flat.div_(self._world)
+                    bucket.set_buffer(flat)
+                    launched.append((params, self._reducer._run_comm_hook(bucket)))
+                for params, future in launched:
+                    result = future.wait()
+                    self._write(params, result[0] if isinstance(result, list) else result, used)
+            finally:
+                for bucket, _, dtype in grad_buckets:
+                    bucket.set_buffer(_empty(dtype))
+
+    def _fetch(self) -> list[tuple[Any, list[torch.Tensor], torch.dtype]]:
+        """The reducer's buckets, with their parameters and dtype: fetched again only
+        when DDP rebuilt them or changed its process group since the last fetch (where
+        this torch's DDP does not say, at every reduction)."""
+        ddp = self._ddp()
+        rebuilt = getattr(ddp, "_has_rebuilt_buckets", None)
+        layout = None if ddp is None or rebuilt is None else (ddp.process_group, rebuilt)
+        if layout is None or layout != self._layout or not self._grad_buckets:
+            self._grad_buckets = [(b, b.parameters(), b.buffer().dtype)
+                                  for b in self._reducer._get_zeros_like_grad_buckets()]
+            self._layout = layout
+        return self._grad_buckets
 
     def _used_anywhere(self) -> set[int]:
         """``id``s of the parameters the reduction writes: those that require grad (a
@@ -131,6 +157,14 @@ class Buckets:
                 param.grad = value.view_as(param).to(param.dtype).clone()
         if into:
             torch._foreach_copy_(into, out)  # one call, not one copy_ per parameter
+
+
+_EMPTY: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _empty(dtype: torch.dtype) -> torch.Tensor:
+    """What a kept bucket holds between reductions: no memory."""
+    return _EMPTY.setdefault(dtype, torch.empty(0, dtype=dtype))
 
 
 class _Cached:

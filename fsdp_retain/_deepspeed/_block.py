@@ -294,7 +294,7 @@ class DeepSpeedBlock(BlockBase):
         """
         run = _pass_start.will_run
         reaches_output = any(map(run, self._graph.outputs))
-        inputs = (edge.node for edge in self.probe_targets.edges.values())
+        inputs = (edge.node for edge in self.probe_targets.edges())
         if not reaches_output and not any(map(run, inputs)):
             if any(map(run, self._graph.acc_grads)):
                 raise RetainError(FORWARD_OUTSIDE)

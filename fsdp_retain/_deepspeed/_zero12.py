@@ -220,7 +220,7 @@ class DeepSpeedZero12Block(BlockBase):
         """Inside every backward, before its first node runs (see ``_pass_start``)."""
         run = _pass_start.will_run
         reaches_output = any(map(run, self._outputs))
-        targets = (edge.node for edge in self.probe_targets.edges.values())
+        targets = (edge.node for edge in self.probe_targets.edges())
         if not (reaches_output or self._acc_nodes.any_run() or any(map(run, targets))):
             return  # another model's backward
         if not (self.probing or self.tracker.in_backward) and kernel_holds(self._reducer.params()):

@@ -606,10 +606,10 @@ def hooks_kept_across_blocks() -> None:
         opt.zero_grad(set_to_none=True)
         with no_reshard_between_backwards(model) as block:
             out = model(x)
-            targets = len(block.probe_targets.edges)
+            targets = len(block.probe_targets.edges())
             if copy_of is not None:
                 two_losses(copy_of(x))  # a graph of its own, with grad
-                assert len(block.probe_targets.edges) == targets, "the copy's hooks fired"
+                assert len(block.probe_targets.edges()) == targets, "the copy's hooks fired"
             block.backward(out[0].sum() + out[1].sum(), param_grads=False, retain_graph=True)
             loss1(out).backward(retain_graph=True)
             loss2(out).backward()
@@ -713,3 +713,59 @@ def check_storage_swapped(wrap: Callable[[nn.Module], Any]) -> None:
 def storage_swapped_between_blocks() -> None:
     """``check_storage_swapped`` on ``DistributedDataParallel``."""
     check_storage_swapped(DDP)
+
+
+def check_buckets_rebuilt(wrap: Callable[..., Any]) -> None:
+    """DDP rebuilds its buckets once, at the forward after its first synced backward
+    (``bucket_cap_mb`` then applies to the first bucket too, in the order gradients
+    arrived). The block reuses the bucket objects it fetched until then and fetches them
+    again after (``Buckets._fetch`` in ``fsdp_retain/_ddp/_buckets.py``): a comm hook
+    that keeps state per bucket (PowerSGD's error feedback) sees in the block DDP's own
+    layout, index by index. Block, plain, plain, block steps: parity every step, and the
+    bucket buffers the block keeps hold no memory between reductions. Without the second
+    fetch the last block hands the hook the one bucket of before the rebuild."""
+    torch.manual_seed(42)
+    module = TwoHeads().double()
+    ref = copy.deepcopy(module)
+    model = wrap(module, bucket_cap_mb=0.0004)
+    calls: list[tuple[int, tuple[int, ...]]] = []
+
+    def hook(group, bucket):  # unannotated: DDP checks a hook's annotations
+        calls.append((bucket.index(), tuple(id(p) for p in bucket.parameters())))
+        return default_hooks.allreduce_hook(group, bucket)
+
+    model.register_comm_hook(dist.group.WORLD, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    layouts = []
+    for step, use_block in enumerate((True, False, False, True)):
+        x = batch(step)
+        opt.zero_grad(set_to_none=True)
+        calls.clear()
+        if use_block:
+            with no_reshard_between_backwards(model, sync_grads="last", backwards=2):
+                out = model(x)
+                loss1(out).backward(retain_graph=True)
+                loss2(out).backward()
+        else:
+            two_losses(model(x)).backward()
+        layouts.append(sorted(set(calls)))
+        want = reference_grads(ref, x, two_losses)
+        got = [p.grad for p in user_module(model).parameters()]
+        assert rel_error(got, want) < TOL, step
+        opt.step()
+        ref_opt.step()
+    ddp = reducer_owner(model)
+    assert ddp._has_rebuilt_buckets, "DDP did not rebuild its buckets: the case tests nothing"
+    before, plain_before, plain_after, block_after = layouts
+    assert len(before) == 1 and plain_before == before, layouts
+    assert len(plain_after) > 1, plain_after
+    assert block_after == plain_after, (block_after, plain_after)
+    kept = ddp.__dict__["_fsdp_retain_buckets"].buckets._grad_buckets
+    assert kept and all(bucket.buffer().numel() == 0 for bucket, _, _ in kept), kept
+
+
+@registry.case()
+def buckets_rebuilt_between_blocks() -> None:
+    """``check_buckets_rebuilt`` on ``DistributedDataParallel``."""
+    check_buckets_rebuilt(DDP)

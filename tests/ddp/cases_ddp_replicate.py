@@ -43,6 +43,7 @@ from tests.ddp.cases_ddp import (
     assert_plain_wrong,
     batch,
     check_frozen_after_wrapping,
+    check_buckets_rebuilt,
     check_storage_swapped,
     loss1,
     loss2,
@@ -349,3 +350,9 @@ def replicate_storage_swapped_between_blocks() -> None:
         return model
 
     check_storage_swapped(wrap)
+
+
+@registry.case()
+def replicate_buckets_rebuilt_between_blocks() -> None:
+    """``check_buckets_rebuilt`` under replicate (DDP's reducer rebuilds there too)."""
+    check_buckets_rebuilt(replicate)
