@@ -223,6 +223,28 @@ def has_own_params(module: nn.Module) -> bool:
     return any(p is not None for p in module._parameters.values())
 
 
+def module_parameters(root: nn.Module) -> list[nn.Parameter]:
+    """``list(root.parameters())``, in its order, without its generators: a walk some
+    backends run at every block entry (a few times faster)."""
+    params: list[nn.Parameter] = []
+    seen: set[int] = set()
+    visited: set[int] = set()
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in visited:
+            continue
+        visited.add(id(module))
+        for param in module._parameters.values():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+        children = [m for m in module._modules.values() if m is not None]
+        children.reverse()  # popped first to last: the pre-order of named_modules
+        stack.extend(children)
+    return params
+
+
 def compiling() -> bool:
     """Whether dynamo is tracing the caller: see [Note: the block under torch.compile]."""
     return torch.compiler.is_compiling()

@@ -2,7 +2,7 @@
 """Benchmark: the block's host cost per unit, on every backend, side by side in one run.
 
     python scripts/bench_host_cost.py                       # 2 CPU ranks (gloo)
-    python scripts/bench_host_cost.py --backends ddp --units 64 --steps 30
+    python scripts/bench_host_cost.py --backends ddp --models 64 --steps 30
     python scripts/bench_host_cost.py --json docs/bench/host_cost.json   # record it
 
 On a GPU each unit's kernels take microseconds, so the host time the block spends per
@@ -28,7 +28,11 @@ alike), a step lasts until its slowest rank is done. Ways:
   counted twice, a little in the block's favour; ``forward`` builds no graph, a little
   against it).
 
-Printed per backend and model: the median step of each way, and the ratios
+Each model runs at least ``--steps`` rounds, and more (up to ``--max-steps``) until its
+timed steps add up to ``--min-seconds``: a small model's steps last milliseconds, and
+its per-round ratios scatter widely.
+
+Printed per backend and model: the median step of each way, the rounds, and the ratios
 ``block1/plain1``, ``block2/best2`` and ``block2/ideal2`` as the median of the per-round
 ratios with their spread (the 25th to 75th percentile), and the block's extra host time
 per unit per pass: ``(block1 - plain1) / units`` (the median of the per-round
@@ -210,7 +214,13 @@ def measure(args, backend: str, kind: str) -> dict:
         for way in WAYS:
             once(way)
     times: dict[str, list[float]] = {way: [] for way in WAYS}
-    for _ in range(args.steps):
+    rounds = 0
+    # At least --steps rounds, more (up to --max-steps) until --min-seconds: a cheap model's
+    # steps last milliseconds, and their ratios scatter. Every rank has the same times
+    # (all-reduced), so every rank stops at the same round.
+    while rounds < args.steps or (rounds < args.max_steps
+                                  and sum(map(sum, times.values())) < args.min_seconds):
+        rounds += 1
         for way in WAYS:
             dist.barrier()
             start = time.perf_counter()
@@ -219,7 +229,7 @@ def measure(args, backend: str, kind: str) -> dict:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[way].append(elapsed.item())
     times["ideal2"] = [2 * a - b for a, b in zip(times["plain1"], times["forward"])]
-    return {"units": units, "times_s": times, "ratios": ratios(times, units)}
+    return {"units": units, "rounds": rounds, "times_s": times, "ratios": ratios(times, units)}
 
 
 def ratios(times: dict[str, list[float]], units: int) -> dict:
@@ -258,7 +268,7 @@ def render_one(backend: str, kind: str, result: dict) -> str:
     r = result["ratios"]
     parts = [f"{name.replace('_vs_', '/')} {v['median']:.3f} [{v['p25']:.3f}-{v['p75']:.3f}]"
              for name, v in r.items() if isinstance(v, dict)]
-    return (f"{backend:<6} {model:<28} ms: {medians}\n{'':<6} {'':<28} "
+    return (f"{backend:<6} {model:<28} ms: {medians}  ({result['rounds']} rounds)\n{'':<6} {'':<28} "
             + "  ".join(parts) + f"  block1 extra {r['block1_extra_us_per_unit']:+.1f} us/unit")
 
 
@@ -272,7 +282,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="default: every one that imports")
     parser.add_argument("--models", nargs="+", default=["8", "64", "256", "wide"],
                         help="residual units (a number) or 'wide'")
-    parser.add_argument("--steps", type=int, default=24, help="timed rounds")
+    parser.add_argument("--steps", type=int, default=24, help="timed rounds, at least")
+    parser.add_argument("--min-seconds", type=float, default=8.0,
+                        help="more rounds (up to --max-steps) until the timed steps add up to this")
+    parser.add_argument("--max-steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8, help="rows per rank")
     parser.add_argument("--wide-batch", type=int, default=64, help="rows per rank, wide model")

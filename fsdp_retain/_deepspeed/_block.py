@@ -83,7 +83,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._common import RetainError, queue_callback, require_attr
+from .._common import RetainError, module_parameters, queue_callback, require_attr
 from .. import _pass_start
 from ._engine import UNSCALED, check_engine_common, flavour, step_inside_block, zero_stage
 from ._grads import PartitionSlots
@@ -168,7 +168,8 @@ class DeepSpeedBlock(BlockBase):
         self._saved_coalesce: bool | None = None
         self._prologue: Any = None  # the engine's _backward_prologue, shadowed in the block
         self._lookup = ZeroParams(self._root, _INPUTS_REFUSED)  # passes with inputs=
-        self._trainable = [p for p in self._root.parameters() if p.requires_grad]
+        self._params = module_parameters(self._root)  # the engine module's, walked once
+        self._trainable = [p for p in self._params if p.requires_grad]
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -198,7 +199,7 @@ class DeepSpeedBlock(BlockBase):
         self._hooks.append(self._root.register_forward_hook(self._record_nodes))
         self._hooks.append(self.model.register_forward_pre_hook(self._refuse_forward_after_held))
         self._partitions = require_attr(self._optimizer, _GRAD_PARTITIONS, flavour)
-        self._graph.acc_grads.extend(_nodes_from_before(self._root, flavour))
+        self._graph.acc_grads.extend(_nodes_from_before(self._params, flavour))
         for module in self._root.modules():
             if "pre_bwd_fn" in module.__dict__:
                 self._hooks.append(self.probe_targets.hook_unit(module))
@@ -241,7 +242,7 @@ class DeepSpeedBlock(BlockBase):
 
     def _abort(self) -> None:
         """Exception exit: no collectives (other ranks may not be here)."""
-        for param in self._root.parameters():
+        for param in self._params:
             param.grad = None
         for bucket in getattr(self._optimizer, "ipg_buckets", {}).values():
             bucket.params.clear()
@@ -255,7 +256,7 @@ class DeepSpeedBlock(BlockBase):
         """Frees every gathered parameter locally and resets ZeRO-3's hook counters."""
         self._coordinator.__dict__.pop(_RELEASE, None)
         self._coordinator.release_backward_leftovers()
-        for param in self._root.parameters():
+        for param in self._params:
             if getattr(param, "ds_persist", False):
                 continue
             param.ds_active_sub_modules.clear()
@@ -264,14 +265,14 @@ class DeepSpeedBlock(BlockBase):
 
     def _open_span(self) -> Span:
         release = None if self.policy.keeps_all else _RELEASE
-        params = list(self._root.parameters())
-        return DeepSpeedSpan(self._optimizer, params, self.probing, self._coordinator, release)
+        return DeepSpeedSpan(self._optimizer, list(self._params), self.probing,
+                             self._coordinator, release)
 
     # Pass boundaries #
     def _record_nodes(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled() and not self._in_backward():
             # ZeRO-3 swaps only .data: a parameter's node records its full shape.
-            self._graph.record(output, self._root, lambda p: p.ds_shape, self._flavour)
+            self._graph.record(output, self._params, lambda p: p.ds_shape, self._flavour)
 
     def _guard_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
         """Forward hook on each ZeRO-3 module: see ``backward_after_exit``. On the
@@ -427,11 +428,11 @@ class _HookCounters:
         self._saved.clear()
 
 
-def _nodes_from_before(root: nn.Module, flavour: str) -> list[Any]:
+def _nodes_from_before(params: list[nn.Parameter], flavour: str) -> list[Any]:
     """The ``AccumulateGrad`` nodes that a graph from before the block holds
     (``held_node``: one made now would break the block's first forward)."""
     found = []
-    for param in root.parameters():
+    for param in params:
         if param.requires_grad:
             node = held_node(param, getattr(param, "ds_shape", param.shape), flavour)
             if node is not None:

@@ -55,16 +55,16 @@ class ForwardGraph:
         self.param_nodes: list[tuple[torch.nn.Parameter, Any]] = []  # None: see held_node
         self._recorded = False
 
-    def record(self, output: Any, root: torch.nn.Module,
+    def record(self, output: Any, params: list[torch.nn.Parameter],
                shape: Callable[[torch.nn.Parameter], Any], flavour: str) -> None:
         """A forward's ``output``; at the first one the node a graph holds for each
-        trainable parameter of ``root`` (``held_node``, with its full ``shape``). Held
+        trainable one of ``params`` (``held_node``, with its full ``shape``). Held
         here, every later forward's graph uses the same nodes."""
         self.outputs.extend(t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None)
         if self._recorded:
             return
         self._recorded = True
-        for param in root.parameters():
+        for param in params:
             if not param.requires_grad:
                 continue
             node = held_node(param, shape(param), flavour)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._common import module_parameters
 from .._grad_layout import Selection, per_param_layout
 from .._loss_grads import GradSlots
 
@@ -144,7 +145,7 @@ class Zero0Reducer(Reducer):
         pass
 
     def _trainable(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.engine.module.parameters() if p.requires_grad]
+        return [p for p in module_parameters(self.engine.module) if p.requires_grad]
 
     def holds(self) -> bool:
         # At the boundary an averaged .grad looks like a held one: the block keeps count.
