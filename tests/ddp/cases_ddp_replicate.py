@@ -327,29 +327,25 @@ for _style in ("torchtitan", "olmo_core"):
     registry.add(f"replicate_compiled_blocks_{_style}", functools.partial(compiled_case, _style))
 
 
+def replicate_built(module: nn.Module) -> nn.Module:
+    """``replicate(module)`` with its DDP built, by a ``no_grad`` first forward."""
+    model = replicate(module)
+    with torch.no_grad():
+        model(batch(99))
+    return model
+
+
 @registry.case()
 def replicate_frozen_after_wrapping_gets_no_grad() -> None:
     """``check_frozen_after_wrapping`` under replicate, whose DDP is built at the first
     forward (here a ``no_grad`` one, before the freeze): the same buckets, the same fix."""
-    def wrap(module: nn.Module) -> nn.Module:
-        model = replicate(module)
-        with torch.no_grad():
-            model(batch(99))
-        return model
-
-    check_frozen_after_wrapping(wrap)
+    check_frozen_after_wrapping(replicate_built)
 
 
 @registry.case()
 def replicate_storage_swapped_between_blocks() -> None:
     """``check_storage_swapped`` under replicate (the same ``ParamNodes``, held on its DDP)."""
-    def wrap(module: nn.Module) -> nn.Module:
-        model = replicate(module)
-        with torch.no_grad():
-            model(batch(99))
-        return model
-
-    check_storage_swapped(wrap)
+    check_storage_swapped(replicate_built)
 
 
 @registry.case()
