@@ -2,7 +2,8 @@
 
 [Note: hooks kept on the model]
 A block needs a hook on each module with parameters of its own (a probe pass's
-targets; on ZeRO-0/1/2 also one on every module, the sources). Installing them at every
+targets; on ZeRO-0 to 3 also one on every module, the sources, and on ZeRO-3 the
+guard on each module's outputs and the recording of the engine's). Installing them at every
 block entry and removing them at every exit costs host time per unit per block: for
 DDP about as much as the rest of the block together (``scripts/bench_host_cost.py``).
 Which passes write a gradient the block learns from the pass's ``AccumulateGrad`` nodes
@@ -13,12 +14,14 @@ and each hook calls the running block, or returns at once when no block runs (on
 Python call per unit outside a block). The record is built again, its old hooks
 removed, when what it hooked changed: the module tree or a module compiled in place
 (``tree_signature``, a walk without hooks or generators), or the backend's own key
-(DDP: its parameters and their ``requires_grad``). The record does not travel with a
+(DDP: its parameters and their ``requires_grad``; ZeRO-3: which modules it hooks
+itself). The record does not travel with a
 copy of the model (deepcopy, pickle): a copy builds its own at its first block. The
 module hooks themselves do travel with ``copy.deepcopy`` (it copies a module's hook
 dicts), so a hook acts only for the objects it was registered on, and does nothing on a
-copy's. Used by the DDP and DeepSpeed ZeRO-0/1/2 backends, whose hooks are only these;
-FSDP1, FSDP2 and ZeRO-3 hook their own per-unit records.
+copy's. Used by the DDP and DeepSpeed ZeRO-0 to 3 backends; FSDP1 and FSDP2 still
+install theirs at every entry (there a block is already cheaper than plain code:
+``docs/host_cost.md``).
 """
 
 from __future__ import annotations

@@ -111,6 +111,8 @@ def _tracing() -> bool:
 
 
 def _lookup(params: list) -> list:
+    if not params:
+        return []  # the empty record a block holds before install and after exit
     with torch.enable_grad():
         return [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
 

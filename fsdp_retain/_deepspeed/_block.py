@@ -78,13 +78,17 @@ refused when it is above 1 (``engine.backward`` scales the loss itself).
 
 from __future__ import annotations
 
+import functools
+from operator import attrgetter
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .._common import RetainError, module_parameters, queue_callback, require_attr
+from .._common import (RetainError, eager_modules, module_parameters, queue_callback,
+                       require_attr)
 from .. import _pass_start
+from .._kept_hooks import KeptHooks, kept_hooks, tree_signature
 from ._engine import UNSCALED, check_engine_common, flavour, step_inside_block, zero_stage
 from ._grads import PartitionSlots
 from ._nested import DeepSpeedSpan
@@ -93,6 +97,7 @@ from .._lifecycle import BlockBase
 from .._loss_grads import GradSlots
 from .._nested import Span, kernel_holds
 from .._policy import RetainOptions
+from .._probe import hook_source, hook_unit
 
 _RELEASE = "_PartitionedParameterCoordinator__release_param"
 _COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")
@@ -158,7 +163,7 @@ class DeepSpeedBlock(BlockBase):
         offload = require_attr(self._optimizer, "parameter_offload", self._flavour)
         self._coordinator = require_attr(offload, "get_param_coordinator", self._flavour)()
         self._root: nn.Module = require_attr(engine, "module", self._flavour)
-        self._hooks: list[Any] = []
+        self._kept: KeptHooks | None = None
         self._graph = ForwardGraph()  # the nodes of the block's forwards
         self._partitions: dict[int, torch.Tensor] = {}
         self._counters = _HookCounters()
@@ -196,16 +201,30 @@ class DeepSpeedBlock(BlockBase):
         # other call in the block is a forward's output hook (see the note).
         self._prologue = require_attr(self.model, "_backward_prologue", flavour)
         self.model._backward_prologue = self._prologue_from_output_hook
-        self._hooks.append(self._root.register_forward_hook(self._record_nodes))
-        self._hooks.append(self.model.register_forward_pre_hook(self._refuse_forward_after_held))
         self._partitions = require_attr(self._optimizer, _GRAD_PARTITIONS, flavour)
         self._graph.acc_grads.extend(_nodes_from_before(self._params, flavour))
-        for module in self._root.modules():
-            if "pre_bwd_fn" in module.__dict__:
-                self._hooks.append(self.probe_targets.hook_unit(module))
-                self._hooks.append(module.register_forward_hook(self._guard_outputs))
-        self._hooks.extend(self.probe_targets.hook_sources(self._root))
+        # See [Note: hooks kept on the model] in fsdp_retain/_kept_hooks.py. The modules
+        # ZeRO-3 hooks (pre_bwd_fn) are part of the key.
+        signature = tree_signature(self._root)
+        hooked = tuple("pre_bwd_fn" in module.__dict__ for module in signature[::2])
+        self._kept = kept_hooks(self.model, (signature, hooked), self._keep_hooks)
+        self._kept.block = self
         self._watch()
+
+    def _keep_hooks(self, kept: KeptHooks) -> None:
+        root, engine = self._root, self.model
+        kept.add(root, root.register_forward_hook, attrgetter("_record_nodes"))
+        kept.add(engine, engine.register_forward_pre_hook,
+                 attrgetter("_refuse_forward_after_held"))
+        record_inputs = attrgetter("probe_targets.record_inputs")
+        guard = attrgetter("_guard_outputs")
+        for module in root.modules():
+            if "pre_bwd_fn" in module.__dict__:
+                kept.add(module, functools.partial(hook_unit, module), record_inputs)
+                kept.add(module, module.register_forward_hook, guard)
+        record_sources = attrgetter("probe_targets._record_sources")
+        for module in eager_modules(root):
+            kept.add(module, functools.partial(hook_source, module), record_sources)
 
     # See [Note: per-loss gradients] in _loss_grads.py and _grads.py.
     def _check_grads(self) -> None:
@@ -223,9 +242,9 @@ class DeepSpeedBlock(BlockBase):
 
     def _uninstall(self) -> None:
         self._graph.clear()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        if self._kept is not None:
+            self._kept.block = None
+            self._kept = None
         self._coordinator.__dict__.pop(_RELEASE, None)
         self.model.__dict__.pop("step", None)
         self.model.__dict__.pop("_backward_prologue", None)

@@ -220,8 +220,10 @@ class DeepSpeedZero12Block(BlockBase):
         """Inside every backward, before its first node runs (see ``_pass_start``)."""
         run = _pass_start.will_run
         reaches_output = any(map(run, self._outputs))
-        targets = (edge.node for edge in self.probe_targets.edges())
-        if not (reaches_output or self._acc_nodes.any_run() or any(map(run, targets))):
+        # The probe targets last: a pass that reaches the output or a parameter (every
+        # pass but a probe pass from inside the forward) makes no edges.
+        if not (reaches_output or self._acc_nodes.any_run()
+                or any(map(run, (edge.node for edge in self.probe_targets.edges())))):
             return  # another model's backward
         if not (self.probing or self.tracker.in_backward) and kernel_holds(self._reducer.params()):
             return  # see [Note: passes a tiled kernel holds] in fsdp_retain/_nested.py

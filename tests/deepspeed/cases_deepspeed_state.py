@@ -34,15 +34,20 @@ registry = Registry()
 
 
 def snapshot(engine) -> dict:
-    """What the block may touch: hooks, coordinator overrides, optimizer flags."""
+    """What the block may touch: hooks (but those it keeps on the engine, [Note: hooks
+    kept on the model], which no block runs), coordinator overrides, optimizer flags."""
     opt = engine.optimizer
     coordinator = opt.parameter_offload.get_param_coordinator()
+    kept = engine.__dict__.get("_fsdp_retain_hooks")
+    ours = {handle.id for handle in kept.handles} if kept is not None else set()
     hooks = [
-        (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
-        for m in engine.module.modules()
+        (len(m._forward_pre_hooks.keys() - ours), len(m._forward_hooks.keys() - ours),
+         len(m._backward_hooks))
+        for m in (engine, *engine.module.modules())
     ]
     return dict(
         hooks=hooks,
+        running=None if kept is None else kept.block,
         coordinator=sorted(coordinator.__dict__),
         coalesce=opt._coalesce_grad_reduction,
         micro_step=opt.micro_step_id,
@@ -173,3 +178,36 @@ def step_inside_block_is_rejected() -> None:
         raise AssertionError("engine.step() inside the block was accepted")
     assert "step" not in engine.__dict__
     assert_all_released(engine)
+
+
+def _module_hooks(engine) -> int:
+    modules = [engine, *engine.module.modules()]
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in modules)
+
+
+@registry.case()
+def hooks_kept_across_blocks() -> None:
+    """[Note: hooks kept on the model] on ZeRO-3: the block's module hooks (probe
+    targets, sources, the output guards, the engine output's recording) are installed
+    at the first block and reused by the next ones (one record, the same hook count),
+    with a probe pass first in each; between blocks they do nothing: a plain ZeRO-3
+    step outside the block keeps parity. 4 steps, every parameter released after each."""
+    engine, ref = make_engine(ds_config())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    before = _module_hooks(engine)
+    in_block = Scenario(passes=2, probe_first=True)
+    plain = Scenario(passes=1, use_block=False)
+    records, counts = [], []
+    for step, scenario in enumerate((in_block, in_block, plain, in_block)):
+        expected = reference_step(ref, ref_opt, scenario, step)
+        engine_micro_step(engine, scenario, step, 0)
+        assert_close(full_grads(engine), expected, f"step {step}: grads")
+        engine.step()
+        ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+        assert_close(full_params(engine), ref_params, f"step {step}: params")
+        assert_all_released(engine)
+        records.append(engine.__dict__["_fsdp_retain_hooks"])
+        counts.append(_module_hooks(engine))
+    assert all(record is records[0] for record in records), records
+    assert records[0].block is None
+    assert len(set(counts)) == 1 and counts[0] > before, (before, counts)
