@@ -86,14 +86,20 @@ def _state_case(keep: bool, sync: str, fail: bool):
             engine.step()
             reference_step(ref, ref_opt, Scenario(passes=2), 0)
         for step in range(1, 3):
-            expected = reference_step(ref, ref_opt, plain, step)
-            engine_micro_step(engine, plain, step, 0)
-            assert_close(full_grads(engine), expected, f"plain step {step}: grads")
-            engine.step()
-            ref_params = {n: p.detach() for n, p in ref.named_parameters()}
-            assert_close(full_params(engine), ref_params, f"plain step {step}: params")
+            checked_step(engine, ref, ref_opt, plain, step)
 
     return run
+
+
+def checked_step(engine, ref, ref_opt, scenario: Scenario, step: int) -> None:
+    """One micro-batch of ``scenario`` and the optimizer step after it, the gradients
+    and then the parameters checked against the reference's."""
+    expected = reference_step(ref, ref_opt, scenario, step)
+    engine_micro_step(engine, scenario, step, 0)
+    assert_close(full_grads(engine), expected, f"step {step}: grads")
+    engine.step()
+    ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+    assert_close(full_params(engine), ref_params, f"step {step}: params")
 
 
 for keep, sync, fail in itertools.product((True, False), ("every", "last"), (False, True)):
@@ -199,12 +205,7 @@ def hooks_kept_across_blocks() -> None:
     plain = Scenario(passes=1, use_block=False)
     records, counts = [], []
     for step, scenario in enumerate((in_block, in_block, plain, in_block)):
-        expected = reference_step(ref, ref_opt, scenario, step)
-        engine_micro_step(engine, scenario, step, 0)
-        assert_close(full_grads(engine), expected, f"step {step}: grads")
-        engine.step()
-        ref_params = {n: p.detach() for n, p in ref.named_parameters()}
-        assert_close(full_params(engine), ref_params, f"step {step}: params")
+        checked_step(engine, ref, ref_opt, scenario, step)
         assert_all_released(engine)
         records.append(engine.__dict__["_fsdp_retain_hooks"])
         counts.append(_module_hooks(engine))
