@@ -104,6 +104,7 @@ import dataclasses
 import functools
 import logging
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -245,9 +246,9 @@ def module_parameters(root: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-def compiling() -> bool:
-    """Whether dynamo is tracing the caller: see [Note: the block under torch.compile]."""
-    return torch.compiler.is_compiling()
+# Whether dynamo is tracing the caller: see [Note: the block under torch.compile]. The
+# function itself, not a wrapper: module hooks call it at every module call.
+compiling: Callable[[], bool] = torch.compiler.is_compiling
 
 
 def create_graph_needs_keep() -> RetainError:

@@ -11,7 +11,9 @@ Which passes write a gradient the block learns from the pass's ``AccumulateGrad`
 parameter, which would cost a Python call per parameter per pass.
 So a backend installs them once per model, in a ``KeptHooks`` record kept on the model,
 and each hook calls the running block, or returns at once when no block runs (one
-Python call per unit outside a block). The record is built again, its old hooks
+Python call per unit outside a block). What a hook calls (a bound method of the block,
+one per kind of hook) is looked up when the block is set, not at every module call: a
+hook runs at every call of its module, and each lookup cost about 1 us there. The record is built again, its old hooks
 removed, when what it hooked changed: the module tree or a module compiled in place
 (``tree_signature``, a walk without hooks or generators), or the backend's own key
 (DDP: its parameters and their ``requires_grad``; ZeRO-3: which modules it hooks
@@ -35,37 +37,55 @@ ATTR = "_fsdp_retain_hooks"
 
 
 class KeptHooks:
-    """The hooks kept on one model, and the block they call (``None``: none runs)."""
+    """The hooks kept on one model, and the block they call (``block``: ``None`` when
+    none runs)."""
 
-    __slots__ = ("block", "handles", "key", "_owned")
+    __slots__ = ("_block", "handles", "key", "_cells")
 
     def __init__(self, key: Any = None) -> None:
-        self.block: Any = None
+        self._block: Any = None
         self.handles: list[Any] = []
         self.key = key
-        self._owned: set[int] = set()
+        # One cell per method: what it gives for the running block (``None``: no
+        # block). Resolved when the block is set, not at each call.
+        self._cells: dict[Callable[[Any], Callable[..., Any]], list[Any]] = {}
+
+    @property
+    def block(self) -> Any:
+        return self._block
+
+    @block.setter
+    def block(self, block: Any) -> None:
+        self._block = block
+        for method, cell in self._cells.items():
+            cell[0] = None if block is None else method(block)
 
     def add(self, obj: Any, register: Callable[[Callable[..., Any]], Any],
             method: Callable[[Any], Callable[..., Any]]) -> None:
         """Registers on ``obj`` (a module or a parameter, passed to the hook first) a
         hook that runs ``method(block)(obj, ...)`` while a block runs. A copy of the
-        model (``copy.deepcopy``) may carry the hook: it does nothing there."""
-        owned = self._owned
+        model (``copy.deepcopy``, ``copy.copy``) may carry the hook: it does nothing
+        there. Torch calls a module hook with positional arguments only."""
+        cell = self._cells.get(method)
+        if cell is None:
+            cell = self._cells[method] = [None if self._block is None else method(self._block)]
+        owner = id(obj)
 
-        def hook(target: Any, *args: Any, **kwargs: Any) -> Any:
-            block = self.block
-            if block is None or id(target) not in owned:
+        def hook(target: Any, *args: Any) -> Any:
+            call = cell[0]
+            if call is None or id(target) != owner:
                 return None
-            return method(block)(target, *args, **kwargs)
+            return call(target, *args)
 
         self.handles.append(register(hook))
-        owned.add(id(obj))
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        self._owned.clear()
+        for cell in self._cells.values():
+            cell[0] = None
+        self._cells.clear()
 
     def __deepcopy__(self, memo: dict) -> KeptHooks:
         return KeptHooks()

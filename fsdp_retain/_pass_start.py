@@ -118,7 +118,12 @@ def _lookup(params: list) -> list:
 
 
 def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+    return _graph_task_id() != -1
+
+
+# Looked up once (module hooks call in_backward at every module call); watch() says
+# loudly where this torch lacks it, before a block runs.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
 def watch(watcher) -> None:

@@ -18,6 +18,11 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from ._common import compiling, eager_modules, grad_tensors
 
 
+_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
+_FunctionBase = torch._C._FunctionBase
+
+
 class ProbeTargets:
     """The probe pass's targets, recorded during the block's forwards: ``edges()``.
 
@@ -60,14 +65,15 @@ class ProbeTargets:
         return [hook_source(module, self._record_sources) for module in eager_modules(root)]
 
     def record_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if not torch.is_grad_enabled() or compiling() or self._in_backward():
+        # Runs at every call of a unit: the names it calls are module globals.
+        if not _grad_enabled() or compiling() or self._in_backward():
             return  # no graph, or an activation-checkpointing recompute
-        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+        if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:
             # The common call, one plain tensor: no walk of the containers.
             tensor = args[0]
             if tensor.requires_grad:
                 node = tensor.grad_fn
-                if node is not None and not isinstance(node, torch._C._FunctionBase):
+                if node is not None and not isinstance(node, _FunctionBase):
                     self._found.append((node, tensor.output_nr))
                 else:
                     self._record([tensor])
@@ -75,17 +81,18 @@ class ProbeTargets:
         self._record(grad_tensors((args, kwargs)))
 
     def _record_sources(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() or compiling() or self._in_backward():
+        # Runs at every module call; most calls' inputs need grad: that check first.
+        if compiling() or _needs_grad(args, kwargs):
+            return  # traced by dynamo, or reached through its inputs
+        if not _grad_enabled() or self._in_backward():
             return
-        if _needs_grad(args, kwargs):
-            return  # reached through its inputs
         self._record(grad_tensors(output))
 
     def _record(self, tensors: list[torch.Tensor]) -> None:
         found = self._found
         for tensor in tensors:
             node = tensor.grad_fn
-            if node is None or isinstance(node, torch._C._FunctionBase):
+            if node is None or isinstance(node, _FunctionBase):
                 # A leaf (its AccumulateGrad node), or a Python function's node, which
                 # the edge holds through an ownership token (get_gradient_edge).
                 found.append(get_gradient_edge(tensor))
@@ -96,7 +103,7 @@ class ProbeTargets:
 def _needs_grad(args: tuple, kwargs: dict) -> bool:
     """Whether a module call's inputs require grad; the common call, one plain tensor,
     without the walk of the containers (these hooks run at every module call)."""
-    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+    if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:
         return args[0].requires_grad
     return bool(grad_tensors((args, kwargs)))
 

@@ -589,8 +589,10 @@ def hooks_kept_across_blocks() -> None:
     and reused (the same count after each block, none added); a module replaced between
     blocks builds them again, the old ones removed; a copy of the module made after a
     block carries the modules' hooks (deepcopy copies them), which do nothing there: run
-    with grad inside the next block, it adds no probe target. Parity over 5 steps, a
-    probe pass in each."""
+    with grad inside the next block, it adds no probe target; nor does a shallow copy of a
+    unit (``copy.copy``: it shares the unit's hook dicts), while the unit itself adds one;
+    outside a block the unit's hook records nothing. Parity over 5 steps, a probe pass in
+    each."""
     torch.manual_seed(42)
     module = TwoHeads().double()
     ref = copy.deepcopy(module)
@@ -613,6 +615,14 @@ def hooks_kept_across_blocks() -> None:
             block.backward(out[0].sum() + out[1].sum(), param_grads=False, retain_graph=True)
             loss1(out).backward(retain_graph=True)
             loss2(out).backward()
+            z = x.detach().requires_grad_() * 1
+            before = len(block.probe_targets.edges())
+            copy.copy(model.module.a)(z)
+            assert len(block.probe_targets.edges()) == before, "the shallow copy's hook fired"
+            model.module.a(z)
+            assert len(block.probe_targets.edges()) == before + 1, "the unit's hook did not"
+        model.module.a(z)
+        assert block.probe_targets.edges() == [], "a hook recorded outside the block"
         counts.append(_hook_counts(model))
         records.append(model.__dict__["_fsdp_retain_hooks"])
         want = reference_grads(ref, x, two_losses)
