@@ -8,14 +8,19 @@ a probe pass that could not run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import functools
+from collections.abc import Callable, Iterable
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ._common import compiling, eager_modules, grad_tensors
+
+if TYPE_CHECKING:
+    from ._kept_hooks import KeptHooks
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -117,6 +122,19 @@ def hook_unit(module: nn.Module, hook: Callable[..., Any]) -> Any:
 def hook_source(module: nn.Module, hook: Callable[..., Any]) -> Any:
     """One of ``ProbeTargets.hook_sources``' hooks, with the hook given."""
     return module.register_forward_hook(hook, with_kwargs=True)
+
+
+def keep_probe_hooks(kept: KeptHooks, units: Iterable[nn.Module],
+                     sources: Iterable[nn.Module]) -> None:
+    """``hook_unit`` on each of ``units`` and ``hook_source`` on each of ``sources``,
+    kept on the model and calling the running block's ``probe_targets`` (see [Note:
+    hooks kept on the model] in ``_kept_hooks.py``)."""
+    record_inputs = attrgetter("probe_targets.record_inputs")
+    for unit in units:
+        kept.add(unit, functools.partial(hook_unit, unit), record_inputs)
+    record_sources = attrgetter("probe_targets._record_sources")
+    for module in sources:
+        kept.add(module, functools.partial(hook_source, module), record_sources)
 
 
 # The node of torch.utils.checkpoint(..., use_reentrant=True), which refuses

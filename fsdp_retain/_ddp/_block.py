@@ -30,8 +30,6 @@ gradients] in ``_buckets.py``):
 
 from __future__ import annotations
 
-import functools
-from operator import attrgetter
 from typing import Any
 
 import torch.nn as nn
@@ -44,7 +42,7 @@ from .._loss_grads import GradSlots
 from .._nested import GradStashSpan, Span, kernel_holds
 from .._grad_layout import per_param_layout
 from .._policy import RetainOptions
-from .._probe import hook_unit
+from .._probe import keep_probe_hooks
 from ._buckets import FLAVOUR, Buckets
 from ._wrappers import DDPModel, ddp_model, fully_sharded_inside
 
@@ -116,10 +114,8 @@ class DDPBlock(BlockBase):
         self._watch()
 
     def _keep_hooks(self, kept: KeptHooks) -> None:
-        record = attrgetter("probe_targets.record_inputs")
-        for unit in eager_modules(self._wrapped.module):
-            if has_own_params(unit):
-                kept.add(unit, functools.partial(hook_unit, unit), record)
+        units = filter(has_own_params, eager_modules(self._wrapped.module))
+        keep_probe_hooks(kept, units, ())
 
     def _uninstall(self) -> None:
         if self._kept is not None:

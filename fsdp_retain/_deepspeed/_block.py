@@ -78,7 +78,6 @@ refused when it is above 1 (``engine.backward`` scales the loss itself).
 
 from __future__ import annotations
 
-import functools
 from operator import attrgetter
 from typing import Any
 
@@ -97,7 +96,7 @@ from .._lifecycle import BlockBase
 from .._loss_grads import GradSlots
 from .._nested import Span, kernel_holds
 from .._policy import RetainOptions
-from .._probe import hook_source, hook_unit
+from .._probe import keep_probe_hooks
 
 _RELEASE = "_PartitionedParameterCoordinator__release_param"
 _COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")
@@ -216,15 +215,11 @@ class DeepSpeedBlock(BlockBase):
         kept.add(root, root.register_forward_hook, attrgetter("_record_nodes"))
         kept.add(engine, engine.register_forward_pre_hook,
                  attrgetter("_refuse_forward_after_held"))
-        record_inputs = attrgetter("probe_targets.record_inputs")
+        units = [module for module in root.modules() if "pre_bwd_fn" in module.__dict__]
         guard = attrgetter("_guard_outputs")
-        for module in root.modules():
-            if "pre_bwd_fn" in module.__dict__:
-                kept.add(module, functools.partial(hook_unit, module), record_inputs)
-                kept.add(module, module.register_forward_hook, guard)
-        record_sources = attrgetter("probe_targets._record_sources")
-        for module in eager_modules(root):
-            kept.add(module, functools.partial(hook_source, module), record_sources)
+        for unit in units:
+            kept.add(unit, unit.register_forward_hook, guard)
+        keep_probe_hooks(kept, units, eager_modules(root))
 
     # See [Note: per-loss gradients] in _loss_grads.py and _grads.py.
     def _check_grads(self) -> None:

@@ -49,7 +49,6 @@ another model's backward, starts from the engine output's hook, as on ZeRO-3.
 
 from __future__ import annotations
 
-import functools
 from operator import attrgetter
 from typing import Any
 
@@ -65,7 +64,7 @@ from .._lifecycle import BlockBase
 from .._loss_grads import GradSlots
 from .._nested import GradStashSpan, Span, kernel_holds
 from .._policy import RetainOptions
-from .._probe import hook_source, hook_unit
+from .._probe import keep_probe_hooks
 from ._engine import UNSCALED, check_engine_common, flavour, step_inside_block, zero_stage
 from ._zero12_reduce import FullGradSlots, Reducer, Zero0Reducer
 
@@ -157,13 +156,7 @@ class DeepSpeedZero12Block(BlockBase):
         root = self._root
         kept.add(root, root.register_forward_hook, attrgetter("_record_outputs"))
         modules = list(eager_modules(root))
-        record_inputs = attrgetter("probe_targets.record_inputs")
-        for module in modules:
-            if has_own_params(module):
-                kept.add(module, functools.partial(hook_unit, module), record_inputs)
-        record_sources = attrgetter("probe_targets._record_sources")
-        for module in modules:
-            kept.add(module, functools.partial(hook_source, module), record_sources)
+        keep_probe_hooks(kept, filter(has_own_params, modules), modules)
 
     def _uninstall(self) -> None:
         if self._kept is not None:
