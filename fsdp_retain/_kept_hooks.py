@@ -12,13 +12,12 @@ parameter, which would cost a Python call per parameter per pass.
 So a backend installs them once per model, in a ``KeptHooks`` record kept on the model,
 and each hook calls the running block, or returns at once when no block runs (one
 Python call per unit outside a block). What a hook calls (a bound method of the block,
-one per kind of hook) is looked up when the block is set, not at every module call: a
-hook runs at every call of its module, and each lookup cost about 1 us there. The record is built again, its old hooks
-removed, when what it hooked changed: the module tree or a module compiled in place
-(``tree_signature``, a walk without hooks or generators), or the backend's own key
-(DDP: its parameters and their ``requires_grad``; ZeRO-3: which modules it hooks
-itself). The record does not travel with a
-copy of the model (deepcopy, pickle): a copy builds its own at its first block. The
+one per kind of hook) is looked up when the block is set, not at every module call, where
+a hook runs. The record is built again, its old hooks removed, when what it hooked
+changed: the module tree or a module compiled in place (``tree_signature``, a walk
+without hooks or generators), or the backend's own key (DDP: its parameters and their
+``requires_grad``; ZeRO-3: which modules it hooks itself). The record does not travel
+with a copy of the model (deepcopy, pickle): a copy builds its own at its first block. The
 module hooks themselves do travel with ``copy.deepcopy`` (it copies a module's hook
 dicts), so a hook acts only for the objects it was registered on, and does nothing on a
 copy's. Used by the DDP and DeepSpeed ZeRO-0 to 3 backends; FSDP1 and FSDP2 still
