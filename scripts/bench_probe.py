@@ -145,7 +145,7 @@ def time_backends(args) -> dict:
                     times[way].append(elapsed)
         medians = {way: statistics.median(t) for way, t in times.items()}
         # The slowest rank decides a collective step.
-        packed = torch.tensor([medians[w] for w in WAYS], dtype=torch.float64)
+        packed = torch.tensor([medians[w] for w in WAYS], dtype=torch.float64, device=device)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX)
         medians = dict(zip(WAYS, packed.tolist()))
         ratios = {
