@@ -50,7 +50,7 @@ GENERATED_PAGES = [
     "docs/report/will_it_fit.md",    # python -m fsdp_retain.report.figures
     "docs/report/fit/*/*.txt",       # a command's output: fit's answer, a timing
     "docs/results/*/summary.md",     # scripts/gpu_validate.sh, from the run's own files
-    "docs/results/*/report/*/report.md",
+    "docs/results/*/report/*/report.md",  # python -m fsdp_retain.report, run by the kit
 ]
 
 # Figure-like numbers with no committed source: (page, the text around them, why).
