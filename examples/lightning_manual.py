@@ -1,15 +1,19 @@
 """PyTorch Lightning manual optimization with two backward passes over one forward, under
-FSDP (Lightning issue #19685), checked against a one-process reference.
+FSDP (Lightning issue #19685) and DDP, checked against a one-process reference.
 
     python examples/lightning_manual.py --api trainer --fsdp 1 --wrap lightning
     python examples/lightning_manual.py --api trainer --fsdp 1 --wrap user
     python examples/lightning_manual.py --api trainer --fsdp 2
     python examples/lightning_manual.py --api fabric --fsdp 1
     python examples/lightning_manual.py --api fabric --fsdp 2
+    python examples/lightning_manual.py --api trainer --ddp --static-graph
+    python examples/lightning_manual.py --api fabric --ddp
 
-Lightning starts the 2 ranks itself (CPU, gloo). The block takes the module FSDP wraps:
-``self.trainer.strategy.model`` in a LightningModule, the module ``fabric.setup``
-returned with Fabric. ``--wrap lightning``: Lightning's ``FSDPStrategy`` wraps the model
+Lightning starts the 2 ranks itself (CPU, gloo). The block takes the module the strategy
+wraps: ``self.trainer.strategy.model`` in a LightningModule, the module ``fabric.setup``
+returned with Fabric. ``--ddp``: Lightning's ``DDPStrategy`` (``--static-graph``: with
+``static_graph=True``) instead of FSDP; plain Fabric DDP (``--no-library``) is silently
+wrong there, and the last line says so. ``--wrap lightning``: Lightning's ``FSDPStrategy`` wraps the model
 (``auto_wrap_policy``), and runs ``training_step`` inside the FSDP root's forward;
 ``--wrap user``: ``configure_model`` shards it. FSDP2: ``ModelParallelStrategy``,
 ``fully_shard`` in ``configure_model``.
@@ -37,7 +41,12 @@ from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy  # no
 from lightning.fabric.strategies import (  # noqa: E402
     ModelParallelStrategy as FabricModelParallelStrategy,
 )
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy  # noqa: E402
+from lightning.pytorch.strategies import (  # noqa: E402
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+)
 
 from fsdp_retain import no_reshard_between_backwards  # noqa: E402
 
@@ -193,14 +202,16 @@ def _clean(name: str) -> str:
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
     name = clean_tensor_name(name)
-    for prefix in ("module.", "_forward_module.", "net."):
-        while name.startswith(prefix):
-            name = name[len(prefix):]
+    prefixes = ("module.", "_forward_module.", "net.")  # DDP's, Fabric's, the LightningModule's
+    while name.startswith(prefixes):
+        name = name.split(".", 1)[1]
     return name
 
 
-def run_trainer(fsdp: int, wrap: str) -> dict[str, torch.Tensor]:
-    if fsdp == 2:
+def run_trainer(fsdp: int, wrap: str, ddp: dict | None = None) -> dict[str, torch.Tensor]:
+    if ddp is not None:
+        strategy = DDPStrategy(**ddp)
+    elif fsdp == 2:
         strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
     elif wrap == "lightning":
         strategy = CPUFSDPStrategy(auto_wrap_policy={Block})
@@ -214,8 +225,10 @@ def run_trainer(fsdp: int, wrap: str) -> dict[str, torch.Tensor]:
     return {_clean(n): v for n, v in full_params(trainer.strategy.model).items()}
 
 
-def run_fabric(fsdp: int) -> dict[str, torch.Tensor]:
-    if fsdp == 2:
+def run_fabric(fsdp: int, ddp: dict | None = None) -> dict[str, torch.Tensor]:
+    if ddp is not None:
+        strategy = FabricDDPStrategy(**ddp)
+    elif fsdp == 2:
         strategy = FabricModelParallelStrategy(
             parallelize_fn=lambda net, mesh: shard(net, 2, mesh["data_parallel"]),
             data_parallel_size=WORLD, tensor_parallel_size=1)
@@ -242,12 +255,19 @@ def main() -> None:
     parser.add_argument("--fsdp", type=int, choices=(1, 2), default=1)
     parser.add_argument("--wrap", choices=("lightning", "user"), default="lightning",
                         help="FSDP1 with the Trainer: who wraps the model")
+    parser.add_argument("--ddp", action="store_true", help="DDPStrategy instead of FSDP")
+    parser.add_argument("--static-graph", action="store_true",
+                        help="with --ddp: DDPStrategy(static_graph=True)")
     parser.add_argument("--no-library", action="store_true",
                         help="the same passes without the block")
     args = parser.parse_args()
     global USE_LIBRARY
     USE_LIBRARY = not args.no_library
-    params = run_fabric(args.fsdp) if args.api == "fabric" else run_trainer(args.fsdp, args.wrap)
+    ddp = dict(static_graph=args.static_graph) if args.ddp else None
+    if args.api == "fabric":
+        params = run_fabric(args.fsdp, ddp)
+    else:
+        params = run_trainer(args.fsdp, args.wrap, ddp)
     expected = reference()
     assert set(params) == set(expected), (sorted(params), sorted(expected))
     diff = max((params[n] - expected[n]).abs().max().item() for n in expected)

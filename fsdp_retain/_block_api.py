@@ -31,6 +31,7 @@ class BlockAPI:
     probing: bool
     _exited: bool
     _slots: Any
+    _grads_running: bool
 
     def _before_probe(self) -> None:
         """Prepare FSDP before a probe pass starts."""
@@ -127,8 +128,9 @@ class BlockAPI:
             torch.autograd.grad(loss, edges, retain_graph=retain_graph, allow_unused=True)
         finally:
             self.probing = False
-        # Normally done at the pass end already; not if the loss reached no unit.
-        self._end_probe()
+            # Normally done at the pass end already; not if the loss reached no unit,
+            # nor if the pass raised (and the caller goes on inside the block).
+            self._end_probe()
 
     def grads(self, loss: torch.Tensor, *, retain_graph: bool | None = None,
               params: Any = None) -> LossGrads:
@@ -162,13 +164,18 @@ class BlockAPI:
         self._check_grads()
         if self._slots is None:
             self._slots = self._make_grad_slots()
+            self._slots.tracker = self.tracker  # apply_grads marks what it wrote
         slots = self._slots
-        saved = slots.take()
+        self._grads_running = True
         try:
-            loss.backward(retain_graph=retain_graph)
-            values = slots.read()
+            saved = slots.take()
+            try:
+                loss.backward(retain_graph=retain_graph)
+                values = slots.read()
+            finally:
+                slots.put(saved)
         finally:
-            slots.put(saved)
+            self._grads_running = False
         grads = LossGrads(slots, values)
         return grads if params is None else grads.select(params)
 

@@ -72,6 +72,7 @@ class BlockBase(BlockAPI, PassInputs, abc.ABC):
         self._lookup = ParamLookup()  # the backend's, for passes with inputs=
         self._kept_total = 0  # units kept unsharded between passes, set at install
         self._slots: Any = None  # the backend's GradSlots, made at the first grads()
+        self._grads_running = False  # a block.grads() pass runs (from take to put)
         self.nested = NestedPasses(self._open_span)  # see [Note: nested backward passes]
         self._forwards = 0  # forwards of the model running now (a pass inside one)
         self._forward_hooks: list[Any] = []
@@ -251,7 +252,7 @@ class BlockBase(BlockAPI, PassInputs, abc.ABC):
             raise create_graph_needs_keep()
         # Before the backend's own end of pass: see [Note: nested backward passes].
         queue_callback(self.nested.end_pass)
-        return self.tracker.begin()
+        return self.tracker.begin(writes=not (self.probing or self._grads_running))
 
     def _end_pass(self) -> None:
         self.tracker.end()

@@ -55,6 +55,7 @@ class GradSlots:
         self.sharded = sharded
         self.layout = layout
         self.weights = weights
+        self.tracker: Any = None  # the block's PassTracker (set by block.grads)
 
     def weight(self, index: int) -> float:
         return 1.0 if self.weights is None else self.weights[index]
@@ -263,3 +264,5 @@ def apply_grads(grads: LossGrads) -> None:
     it covers: what the optimizer steps on (ZeRO-3: its gradient partitions). Inside
     the block or after it."""
     grads.slots.add(grads.values, grads.selection)
+    if grads.slots.tracker is not None:
+        grads.slots.tracker.wrote = True

@@ -282,11 +282,17 @@ class PassTracker:
         self.backwards = backwards
         self.started = 0
         self.finished = 0
+        # A pass computed parameter gradients, or apply_grads added some: what the
+        # optimizer steps on changed (see [Note: who steps and who scales on DeepSpeed]).
+        self.wrote = False
         self._warned_extra = False
 
-    def begin(self) -> int:
-        """Registers the start of a backward pass; returns its 1-based index."""
+    def begin(self, writes: bool = True) -> int:
+        """Registers the start of a backward pass (``writes``: one that computes
+        parameter gradients, not a probe or ``block.grads`` pass); returns its 1-based
+        index."""
         self.started += 1
+        self.wrote = self.wrote or writes
         if (
             self.backwards is not None
             and self.started > self.backwards

@@ -5,7 +5,8 @@ accelerate, transformers' ``Trainer`` and Lightning each decide what the model i
 ``accelerator.prepare`` returned, ``self.trainer.strategy.model``), so the fix for a
 refused model depends on the stack. Each is recognised by what it leaves behind:
 accelerate's shared state, a ``Trainer`` method on the call stack, a Lightning class in
-the model's type. Nothing is imported: a stack that is in use has been imported already
+the model's type (or, for a plain module, a LightningModule's method or Fabric's objects
+on the call stack). Nothing is imported: a stack that is in use has been imported already
 (``sys.modules``).
 """
 
@@ -106,25 +107,99 @@ def _in_hf_trainer() -> bool:
     return False
 
 
-def _lightning(model: object) -> bool:
-    return any(cls.__module__.split(".")[0] in ("lightning", "pytorch_lightning",
-                                                 "lightning_fabric")
-               for cls in type(model).__mro__)
+_LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
+_FABRIC_MODULES = ("lightning.fabric", "lightning_fabric")
 
 
-_LIGHTNING_ROOT = ("self.trainer.strategy.model (Lightning's Trainer) or the module "
-                   "fabric.setup returned (Fabric)")
+def _lightning(model: object) -> str | None:
+    """Which Lightning API set the model up: ``"trainer"``, ``"fabric"``, ``"lightning"``
+    (one of them, not known which) or ``None``. A Lightning class in the model's type (a
+    LightningModule, Fabric's wrapper) says Lightning; a LightningModule knows the Trainer
+    or the Fabric it is attached to. The user's own module under Fabric has neither, so
+    the call stack is read for what drives it (``_lightning_on_stack``)."""
+    if _lightning_class(model):
+        if type(model).__name__ == "_FabricModule" or getattr(model, "_fabric", None) is not None:
+            return "fabric"
+        return "trainer" if getattr(model, "_trainer", None) is not None else "lightning"
+    if not any(name in sys.modules for name in _FABRIC_MODULES):
+        return None  # the Trainer imports Fabric too
+    return _lightning_on_stack(model)
 
 
-_LIGHTNING_FIX = (f"Pass the model the strategy wrapped: {_LIGHTNING_ROOT}, under DDPStrategy, "
-                  "FSDPStrategy or ModelParallelStrategy; under a strategy that wraps nothing "
-                  "(one process, SingleDeviceStrategy), switch to one of them.")
+def _lightning_class(obj: object) -> bool:
+    return any(cls.__module__.split(".")[0] in _LIGHTNING_PACKAGES for cls in type(obj).__mro__)
+
+
+def _lightning_on_stack(model: object) -> str | None:
+    """``"trainer"`` where a frame runs a method of a LightningModule attached to a Trainer
+    (``training_step``); ``"fabric"`` where a frame holds Fabric's wrapper around ``model``
+    or a ``Fabric`` (the user's loop), or runs a LightningModule attached to a Fabric;
+    ``None`` where no frame does (Lightning imported, not driving this model)."""
+    frame: FrameType | None = sys._getframe(1)
+    seen: set[int] = set()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if _lightning_class(owner) and hasattr(owner, "_trainer"):  # a LightningModule
+            if getattr(owner, "_fabric", None) is not None:
+                return "fabric"
+            if getattr(owner, "_trainer", None) is not None:
+                return "trainer"
+        namespaces = [frame.f_locals]
+        if id(frame.f_globals) not in seen and frame.f_globals is not frame.f_locals:
+            seen.add(id(frame.f_globals))
+            namespaces.append(frame.f_globals)
+        if any(_is_fabric(value, model) for names in namespaces for value in names.values()):
+            return "fabric"
+        frame = frame.f_back
+    return None
+
+
+def _is_fabric(value: object, model: object) -> bool:
+    """A ``Fabric``, or Fabric's wrapper around ``model`` (what ``fabric.setup`` returned)."""
+    cls = type(value)
+    if cls.__module__.split(".")[0] not in _LIGHTNING_PACKAGES:
+        return False
+    if cls.__name__ == "_FabricModule":
+        return model in (value.__dict__.get("_modules", {}).get("_original_module"),
+                         getattr(value, "_forward_module", None))
+    return any(c.__name__ == "Fabric" for c in cls.__mro__)
+
+
+_LIGHTNING_ROOT = {
+    "trainer": "self.trainer.strategy.model (what Lightning's Trainer wrapped, not self nor "
+               "a module inside it)",
+    "fabric": "the module fabric.setup(model) returned (or fabric.setup_module(model)), not "
+              "the model you gave it",
+    "lightning": "self.trainer.strategy.model (Lightning's Trainer) or the module "
+                 "fabric.setup returned (Fabric)",
+}
+# A module that holds FSDP units but is not the root (wrapper_fix).
+_FSDP_ROOT = dict(
+    _LIGHTNING_ROOT,
+    trainer="self.trainer.strategy.model where the strategy wrapped the LightningModule "
+            "(FSDPStrategy); where configure_model shards it, put every parameter under one "
+            "outermost unit",
+)
+_STRATEGIES = "DDPStrategy, FSDPStrategy or ModelParallelStrategy"
+_WRAPPING_STRATEGIES = {
+    "trainer": f"{_STRATEGIES} (with DeepSpeedStrategy it is the DeepSpeed engine)",
+    "fabric": _STRATEGIES,
+    "lightning": f"{_STRATEGIES} (with the Trainer's DeepSpeedStrategy, the DeepSpeed "
+                 "engine: self.trainer.strategy.model)",
+}
+
+
+def _lightning_fix(api: str) -> str:
+    return (f"Pass the model the strategy wrapped: {_LIGHTNING_ROOT[api]}, under "
+            f"{_WRAPPING_STRATEGIES[api]}; under a strategy that wraps nothing (one process, "
+            "SingleDeviceStrategy), switch to one of them.")
 
 
 def not_wrapped_fix(model: nn.Module) -> str:
     """The fix for a module with no DDP, FSDP or DeepSpeed wrapper around it."""
-    if _lightning(model):
-        return _LIGHTNING_FIX
+    lightning = _lightning(model)
+    if lightning is not None:
+        return _lightning_fix(lightning)
     stack = _accelerate()
     if stack is not None and stack.wraps():
         ddp = " (DDP)" if stack.distributed_type.startswith("MULTI_") else ""
@@ -139,8 +214,9 @@ def not_wrapped_fix(model: nn.Module) -> str:
 
 def wrapper_fix(model: nn.Module) -> str:
     """The fix for a module that holds FSDP units but is not the FSDP root."""
-    if _lightning(model):
-        return f"Pass the FSDP root: {_LIGHTNING_ROOT}."
+    lightning = _lightning(model)
+    if lightning is not None:
+        return f"Pass the FSDP root: {_FSDP_ROOT[lightning]}."
     stack = _accelerate()
     if stack is not None and stack.distributed_type == "FSDP":
         return f"Pass {stack.prepared()}: that is the FSDP root."

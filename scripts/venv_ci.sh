@@ -1,35 +1,42 @@
 #!/usr/bin/env bash
-# A test module that needs an optional stack, in a venv of its own: torch 2.13.0 (never
+# Test modules that need an optional stack, in a venv of its own: torch 2.13.0 (never
 # replaced, via a constraints file) plus the stack. The default .venv has neither, so
 # there those tests are skipped.
 #
-#   scripts/venv_ci.sh deepspeed|bergson|st|olmo          # install, test, delete the venv
-#   scripts/venv_ci.sh deepspeed|bergson|st|olmo install  # with CI_VENV_DIR set: only make
-#                                                         # $CI_VENV_DIR/<stack> (CI, in the background)
-#   scripts/venv_ci.sh deepspeed|bergson|st|olmo test     # with CI_VENV_DIR set: test in it
-#                                                         # (installs first if it is missing)
+#   scripts/venv_ci.sh deepspeed|bergson|olmo          # install, test, delete the venv
+#   scripts/venv_ci.sh deepspeed|bergson|olmo install  # with CI_VENV_DIR set: only make
+#                                                      # $CI_VENV_DIR/<stack> (CI, in the background)
+#   scripts/venv_ci.sh deepspeed|bergson|olmo test     # with CI_VENV_DIR set: test in it
+#                                                      # (installs first if it is missing)
 #
-# deepspeed: tests/deepspeed/test_deepspeed.py with the pinned deepspeed extra, built without ops
-# (DS_BUILD_OPS=0), and transformers for the tiny Qwen2 (in the test extra).
+# deepspeed: every stack that runs a DeepSpeed engine, in one venv and one pytest session
+# (so its case modules share one launch per world size, and DeepSpeed's CPU op is built
+# once): tests/deepspeed/test_deepspeed.py (ZeRO-0 to 3, the seams grid, the Trainer and
+# accelerate examples), tests/clients/test_lightning_deepspeed.py (Lightning's
+# DeepSpeedStrategy), tests/clients/test_trl.py (TRL's SFTTrainer, DDP and ZeRO-2) and
+# tests/clients/test_sentence_transformers.py (examples/sentence_transformers_cached.py:
+# FSDP2 and FSDP1, DDP, DeepSpeed ZeRO-1/2/3 through the Trainer integration), with the
+# deepspeed, trl and st extras (DeepSpeed built without ops, DS_BUILD_OPS=0;
+# sentence-transformers[train] 6.2.0: datasets, accelerate) and transformers for the
+# tiny Qwen2 (in the test extra).
 # bergson: tests/clients/test_bergson.py (examples/influence_bergson.py, FSDP2 and FSDP1) with
 # bergson 2.5.1, which brings transformers. bergson declares torchvision and torchaudio
 # but never imports them, and with the CPU torch the registry's torchvision breaks
 # `import transformers` (`operator torchvision::nms does not exist`): they are uninstalled.
-# st: tests/clients/test_sentence_transformers.py (examples/sentence_transformers_cached.py, FSDP2
-# and FSDP1, DDP, DeepSpeed ZeRO-1/2/3 through the Trainer integration) with the st extra
-# (sentence-transformers[train] 6.2.0: datasets, accelerate) and the deepspeed extra.
 # olmo: tests/clients/test_olmo_core.py (OLMo-core's own Transformer, apply_ddp and apply_fsdp)
 # with ai2-olmo-core 3.0.0 (its base install: no extra is needed on CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv_install.sh
-stack=${1:?usage: scripts/venv_ci.sh deepspeed|bergson|st|olmo [install|test]}
+stack=${1:?usage: scripts/venv_ci.sh deepspeed|bergson|olmo [install|test]}
 step=${2:-all}
 case "$stack" in
-  deepspeed) extras=(deepspeed test) packages=() unwanted=() tests=tests/deepspeed/test_deepspeed.py ;;
-  bergson) extras=(test) packages=(bergson==2.5.1) unwanted=(torchvision torchaudio) tests=tests/clients/test_bergson.py ;;
-  st) extras=(st deepspeed test) packages=() unwanted=() tests=tests/clients/test_sentence_transformers.py ;;
-  olmo) extras=(test) packages=(ai2-olmo-core==3.0.0) unwanted=() tests=tests/clients/test_olmo_core.py ;;
+  deepspeed) extras=(deepspeed trl st test) packages=() unwanted=()
+    tests=(tests/deepspeed/test_deepspeed.py tests/clients/test_lightning_deepspeed.py
+           tests/clients/test_trl.py tests/clients/test_sentence_transformers.py) ;;
+  bergson) extras=(test) packages=(bergson==2.5.1) unwanted=(torchvision torchaudio)
+    tests=(tests/clients/test_bergson.py) ;;
+  olmo) extras=(test) packages=(ai2-olmo-core==3.0.0) unwanted=() tests=(tests/clients/test_olmo_core.py) ;;
   *) echo "unknown stack: $stack" >&2; exit 2 ;;
 esac
 if [ -n "${CI_VENV_DIR:-}" ] && [ "$step" != all ]; then
@@ -53,4 +60,4 @@ fi
 # DeepSpeed builds its CPU op into TORCH_EXTENSIONS_DIR: a venv of its own (venvs sharing
 # one rebuild it).
 export TORCH_EXTENSIONS_DIR="$work/torch_extensions"
-"$work/venv/bin/python" -m pytest -q "$tests"
+"$work/venv/bin/python" -m pytest -q "${tests[@]}"

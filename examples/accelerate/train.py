@@ -6,6 +6,7 @@ Run on GPUs (set num_processes in the config to your GPU count):
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate/train.py
     accelerate launch --config_file examples/accelerate/fsdp1.yaml examples/accelerate/train.py
     accelerate launch --config_file examples/accelerate/zero3.yaml examples/accelerate/train.py
+    accelerate launch --config_file examples/accelerate/zero1.yaml examples/accelerate/train.py
     accelerate launch --config_file examples/accelerate/ddp.yaml examples/accelerate/train.py
 
 Run on CPU (2 ranks, gloo), from a clone, through the launcher shim that lets
@@ -15,10 +16,13 @@ no shim, only ACCELERATE_USE_CPU=1:
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate_cpu_fsdp.py examples/accelerate/train.py
     ACCELERATE_USE_CPU=1 accelerate launch --config_file examples/accelerate/ddp.yaml examples/accelerate/train.py
 
-Under DeepSpeed (zero3.yaml) the prepared model is the ``DeepSpeedEngine`` and
-``accelerator.backward`` runs ``engine.step()`` after every call, which must
-not happen between two passes: the passes call ``model.backward`` (the
-engine's) inside the block and ``model.step()`` follows it.
+Under DeepSpeed (zero3.yaml, zero1.yaml) the prepared model is the ``DeepSpeedEngine``,
+and ``accelerator.backward`` steps the engine at the accumulation boundary, which must
+not happen between two passes: ``retaining(accelerator, model)`` (fsdp_retain's
+accelerate integration) is the block with accelerate's backward that does not step; the
+engine steps once, after the block, at the boundary. ``optimizer.step()`` is a no-op
+under DeepSpeed, and clipping is the DeepSpeed config's ``gradient_clipping``
+(zero1_ds_config.json clips; ``accelerator.clip_grad_norm_`` clips nothing there).
 
 A plain accelerate training loop that backpropagates two losses one after the
 other over one forward (`accelerator.backward(loss, retain_graph=True)`, then
@@ -67,7 +71,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 # New code #
-from fsdp_retain import no_reshard_between_backwards  # noqa: E402
+from fsdp_retain.integrations.accelerate import retaining  # noqa: E402
 
 
 class Block(nn.Module):  # the unit named by fsdp_transformer_layer_cls_to_wrap
@@ -172,17 +176,6 @@ def describe(accelerator: Accelerator, model: nn.Module) -> str:
     )
 
 
-# New code #
-def backward_passes(accelerator: Accelerator, model, losses) -> None:
-    """One backward per loss; accelerate's DeepSpeed backward would step in between."""
-    for i, loss in enumerate(losses):
-        retain = i < len(losses) - 1
-        if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            model.backward(loss, retain_graph=retain)
-        else:
-            accelerator.backward(loss, retain_graph=retain)
-
-
 def full_parameters(accelerator: Accelerator, model) -> dict:
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         from deepspeed.utils import safe_get_full_fp32_param
@@ -191,13 +184,16 @@ def full_parameters(accelerator: Accelerator, model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
-def replay_unsharded(model: nn.Module, seen, lr: float, accumulation: int) -> nn.Module:
+def replay_unsharded(model: nn.Module, seen, lr: float, accumulation: int,
+                     clip: float) -> nn.Module:
     """The same training on one process, unwrapped: the reference for the check."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     for x, target, sync in seen:
         out = model(x)
         ((task_loss(out, target) + aux_loss(out)) / accumulation).backward()
         if sync:
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
             optimizer.zero_grad()
     return model
@@ -236,12 +232,11 @@ def main() -> None:
         for x, target in loader:
             with accelerator.accumulate(model):
                 # New code #
-                with no_reshard_between_backwards(model):
+                with retaining(accelerator, model):
                     out = model(x)
                     task, aux = task_loss(out, target), aux_loss(out)
-                    backward_passes(accelerator, model, [task, aux])
-                if accelerator.distributed_type == DistributedType.DEEPSPEED:
-                    model.step()  # an optimizer step at the accumulation boundary
+                    accelerator.backward(task, retain_graph=True)
+                    accelerator.backward(aux)
                 optimizer.step()
                 optimizer.zero_grad()
             global_batch = accelerator.gather(x), accelerator.gather(target)
@@ -249,14 +244,17 @@ def main() -> None:
         losses = accelerator.reduce(torch.stack([task.detach(), aux.detach()]), "mean")
         accelerator.print(f"epoch {epoch}: task loss {losses[0]:.4f}, aux loss {losses[1]:.4f}")
 
-    replay_unsharded(reference, seen, args.lr, args.gradient_accumulation_steps)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    clip = float(model.gradient_clipping()) if deepspeed else 0.0  # the config's, DeepSpeed's step
+    replay_unsharded(reference, seen, args.lr, args.gradient_accumulation_steps, clip)
     trained = full_parameters(accelerator, model)
     expected = reference.state_dict()
     max_diff = max((trained[k].to(v.device) - v).abs().max().item() for k, v in expected.items())
     steps = sum(sync for _, _, sync in seen)
+    clipped = f", clipped to {clip:g}" if clip > 0 else ""
     accelerator.print(
         f"max |param difference| vs unwrapped single-process replay after {steps} "
-        f"optimizer steps: {max_diff:.3g}"
+        f"optimizer steps{clipped}: {max_diff:.3g}"
     )
     ok = max_diff <= 1e-4
     accelerator.print("agreement: OK" if ok else "agreement: FAILED")

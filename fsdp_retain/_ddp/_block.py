@@ -19,6 +19,10 @@ gradients] in ``_buckets.py``):
   gradient accumulation) the block reduces nothing, as DDP.
 - ``static_graph``: DDP's first-iteration delayed all-reduce is held off inside the
   block (the block reduces); DDP learns its static graph at its first step outside.
+  Under Lightning's ``DDPStrategy`` DDP's forward runs around the block, so its first
+  iteration is the run's first step even in a block: there the block leaves the sync
+  on for the first ``manual_backward`` (see [Note: Lightning's DDPStrategy around the
+  block] in ``fsdp_retain/integrations/lightning.py``).
 - Probe passes differentiate against the inputs of every module with parameters
   of its own ([Note: probe passes] in ``_common.py``): no parameter gradient.
 - Backward passes nested in a pass (a tiled MLP's tiles) accumulate into ``.grad`` with
@@ -43,6 +47,7 @@ from .._nested import GradStashSpan, Span, kernel_holds
 from .._grad_layout import per_param_layout
 from .._policy import RetainOptions
 from .._probe import keep_probe_hooks
+from ..integrations.lightning import static_graph_unlearned
 from ._buckets import FLAVOUR, Buckets
 from ._wrappers import DDPModel, ddp_model, fully_sharded_inside
 
@@ -85,6 +90,8 @@ class DDPBlock(BlockBase):
         self._kept: KeptHooks | None = None
         self._nodes = ParamNodes()  # the managed parameters' AccumulateGrad nodes
         self._accumulated = False  # a pass wrote .grad since the last reduction
+        # Lightning's DDPStrategy is to run DDP's first static-graph iteration in a pass.
+        self._graph_unlearned = False
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -101,8 +108,14 @@ class DDPBlock(BlockBase):
             raise ValueError(_MIXED_PRECISION)
         self._buckets = Buckets.for_ddp(ddp)
         self._syncs = self._wrapped.syncs()
-        for owner, name, value in self._wrapped.sync_off():
-            self._set(owner, name, value)
+        # See [Note: Lightning's DDPStrategy around the block] in
+        # fsdp_retain/integrations/lightning.py.
+        self._graph_unlearned = static_graph_unlearned(ddp)
+        if self._graph_unlearned:
+            # Lightning's pre_backward sets it where it arms the reducer (before_backward).
+            self._set(ddp, "require_forward_param_sync", False)
+        else:
+            self._sync_off()
         if ddp.static_graph:
             self._set(ddp, "_static_graph_delay_allreduce_enqueued", True)
         # See [Note: hooks kept on the model] in fsdp_retain/_kept_hooks.py.
@@ -112,6 +125,12 @@ class DDPBlock(BlockBase):
         self._nodes = self._buckets.nodes
         self._installed = True
         self._watch()
+
+    def _sync_off(self) -> None:
+        """No forward or ``manual_backward`` arms DDP's reducer from here on: the block
+        reduces."""
+        for owner, name, value in self._wrapped.sync_off():
+            self._set(owner, name, value)
 
     def _keep_hooks(self, kept: KeptHooks) -> None:
         units = filter(has_own_params, eager_modules(self._wrapped.module))
@@ -147,6 +166,14 @@ class DDPBlock(BlockBase):
         self._accumulated = False
 
     # Passes #
+    def before_backward(self) -> None:
+        super().before_backward()
+        if self._graph_unlearned and self._wrapped.ddp.require_forward_param_sync:
+            # Lightning armed the reducer for this pass, DDP's first static-graph
+            # iteration, and flushes it after the pass: later passes are the block's.
+            self._graph_unlearned = False
+            self._sync_off()
+
     def on_backward_start(self) -> None:
         if self._exited:
             return

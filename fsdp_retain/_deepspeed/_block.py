@@ -16,16 +16,19 @@ and the parameter coordinator):
   post-backward hook releases them when ``ds_grads_remaining`` reaches 0; both
   counters are set by the forward and used up by the first pass. They are
   recorded at the start of pass 1 and put back at the start of each later
-  pass, so every pass re-gathers and frees per module.
-- Gradients: ZeRO-3 reduce-scatters each parameter's gradient from its
-  ``AccumulateGrad`` hook into a gradient partition, copying over it while
-  ``micro_step_id == 0``. A pass after one that reduced runs with
-  ``micro_step_id >= 1`` (restored at exit), so it adds. See [Note: the
-  engine's backward prologue in the block] for how every pass gets the
+  pass, so every pass re-gathers and frees per module. Both: ``Gathered`` in
+  ``_zero3_gather.py``.
+- Gradients (``PartitionWrites`` in ``_zero3_reduce.py``): ZeRO-3 reduce-scatters
+  each parameter's gradient from its ``AccumulateGrad`` hook into a gradient
+  partition, copying over it while ``micro_step_id == 0``. A pass after one that
+  reduced runs with ``micro_step_id >= 1`` (restored at exit), so it adds. See
+  [Note: the engine's backward prologue in the block] for how every pass gets the
   prologue that lets the post-backward epilogue flush the last bucket.
 - ``sync_grads="last"``: ``optimizer._coalesce_grad_reduction`` (what
   ``engine.coalesce_grad_reduction()`` sets) keeps the unsharded gradients
   local until the last pass reduces them, or the block exit does.
+- The engine's step and the division by the accumulation steps: [Note: who steps
+  and who scales on DeepSpeed] in ``_step.py``.
 - Probe passes (see [Note: probe passes] in ``_common.py``): every module
   ZeRO-3 put hooks on is a unit, its inputs are the probe's targets; no
   ``AccumulateGrad`` runs, so no reduce hook fires, and the pass skips the
@@ -71,9 +74,9 @@ forward inside the block left gradients unreduced, off by 3e-3 with
 ``_backward_prologue`` is shadowed by a no-op (``_prologue_from_output_hook``:
 the output hooks' per-tensor gradient scaling still runs), and the block runs
 the real one at the start of every pass that computes gradients
-(``_engine_prologue``). A ``loss.backward()`` pass that never reaches an output
-misses that per-tensor division by ``gradient_accumulation_steps``:
-refused when it is above 1 (``engine.backward`` scales the loss itself).
+(``PartitionWrites._engine_prologue``). A ``loss.backward()`` pass that never reaches
+an output misses that per-tensor division by ``gradient_accumulation_steps``: refused
+when it is above 1 and the engine divides (``StepContract.check_pass``).
 """
 
 from __future__ import annotations
@@ -88,19 +91,18 @@ from .._common import (RetainError, eager_modules, module_parameters, queue_call
                        require_attr)
 from .. import _pass_start
 from .._kept_hooks import KeptHooks, kept_hooks, tree_signature
-from ._engine import UNSCALED, check_engine_common, flavour, step_inside_block, zero_stage
+from ._engine import check_engine_common, flavour, zero_stage
 from ._grads import PartitionSlots
-from ._nested import DeepSpeedSpan
 from ._graph import ForwardGraph, ZeroParams, held_node
+from ._nested import DeepSpeedSpan
+from ._step import StepContract
+from ._zero3_gather import RELEASE, Gathered
+from ._zero3_reduce import PartitionWrites
 from .._lifecycle import BlockBase
 from .._loss_grads import GradSlots
 from .._nested import Span, kernel_holds
 from .._policy import RetainOptions
 from .._probe import keep_probe_hooks
-
-_RELEASE = "_PartitionedParameterCoordinator__release_param"
-_COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")
-_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 FORWARD_OUTSIDE = (
     "no_reshard_between_backwards: this backward reaches the DeepSpeed engine's "
@@ -164,16 +166,14 @@ class DeepSpeedBlock(BlockBase):
         self._root: nn.Module = require_attr(engine, "module", self._flavour)
         self._kept: KeptHooks | None = None
         self._graph = ForwardGraph()  # the nodes of the block's forwards
-        self._partitions: dict[int, torch.Tensor] = {}
-        self._counters = _HookCounters()
-        self._reduced = False  # a pass of this block reduce-scattered
-        self._bumped_micro_step = False
-        self._pending = False  # "last": unreduced gradients held in .grad
-        self._saved_coalesce: bool | None = None
-        self._prologue: Any = None  # the engine's _backward_prologue, shadowed in the block
         self._lookup = ZeroParams(self._root, _INPUTS_REFUSED)  # passes with inputs=
         self._params = module_parameters(self._root)  # the engine module's, walked once
         self._trainable = [p for p in self._params if p.requires_grad]
+        self._gathered = Gathered(self._coordinator, self.policy.keeps_all)
+        self._writes = PartitionWrites(engine, self.policy, self._graph, self._trainable,
+                                       self._flavour)
+        # See [Note: who steps and who scales on DeepSpeed] in _step.py.
+        self._contract = StepContract(engine, self._flavour)
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -185,22 +185,14 @@ class DeepSpeedBlock(BlockBase):
     def _install(self) -> None:
         flavour = self._flavour
         require_attr(self.model, "_running_engine_backward", flavour)
-        require_attr(self._optimizer, "_backward_hook_state", flavour)
-        require_attr(self._optimizer, "micro_step_id", flavour)
-        self._saved_coalesce = require_attr(self._optimizer, "_coalesce_grad_reduction", flavour)
-        release = require_attr(self._coordinator, _RELEASE, flavour)
+        self._contract.check_entry()
         self._installed = True
-        if self.policy.keeps_all:
-            setattr(self._coordinator, _RELEASE, _keep_gathered)
-        if self.policy.holds_back:
-            self._optimizer._coalesce_grad_reduction = True
-        self._release = release
-        self.model.step = step_inside_block
-        # The engine's own prologue, run by the block at each pass start; every
+        self._contract.install()
+        self._gathered.install(flavour)
+        # The engine's own prologue, run by the writes at each pass start; every
         # other call in the block is a forward's output hook (see the note).
-        self._prologue = require_attr(self.model, "_backward_prologue", flavour)
+        self._writes.install()
         self.model._backward_prologue = self._prologue_from_output_hook
-        self._partitions = require_attr(self._optimizer, _GRAD_PARTITIONS, flavour)
         self._graph.acc_grads.extend(_nodes_from_before(self._params, flavour))
         # See [Note: hooks kept on the model] in fsdp_retain/_kept_hooks.py. The modules
         # ZeRO-3 hooks (pre_bwd_fn) are part of the key.
@@ -233,52 +225,32 @@ class DeepSpeedBlock(BlockBase):
     def _make_grad_slots(self) -> GradSlots:
         opt = self._optimizer
         params = [p for group in opt.fp16_groups for p in group]
-        return PartitionSlots(self, opt, params, self._partitions, opt.dp_process_group)
+        return PartitionSlots(self._writes, self._root, params, opt.dp_process_group)
 
     def _uninstall(self) -> None:
         self._graph.clear()
         if self._kept is not None:
             self._kept.block = None
             self._kept = None
-        self._coordinator.__dict__.pop(_RELEASE, None)
-        self.model.__dict__.pop("step", None)
+        self._gathered.uninstall()
+        self._contract.uninstall()
         self.model.__dict__.pop("_backward_prologue", None)
-        if self._saved_coalesce is not None:
-            self._optimizer._coalesce_grad_reduction = self._saved_coalesce
+        self._writes.uninstall()
         self._release_model()
 
     def _finish(self) -> None:
         self.tracker.warn_if_short()
-        if self._pending:
-            self._flush_gradients()
-        self._restore_micro_step()
-        self._release_all()
+        self._writes.finish()
+        self._gathered.release_all(self._params)
+        self._contract.finish(self.tracker.wrote)
 
     def _abort(self) -> None:
         """Exception exit: no collectives (other ranks may not be here)."""
-        for param in self._params:
-            param.grad = None
-        for bucket in getattr(self._optimizer, "ipg_buckets", {}).values():
-            bucket.params.clear()
-            bucket.elements = 0
-        self._optimizer._backward_hook_state.backward_active_depth = 0
-        self._pending = False
-        self._restore_micro_step()
-        self._release_all()
-
-    def _release_all(self) -> None:
-        """Frees every gathered parameter locally and resets ZeRO-3's hook counters."""
-        self._coordinator.__dict__.pop(_RELEASE, None)
-        self._coordinator.release_backward_leftovers()
-        for param in self._params:
-            if getattr(param, "ds_persist", False):
-                continue
-            param.ds_active_sub_modules.clear()
-            self._release(param)
-        self._counters.reset()
+        self._writes.abort(self._params)
+        self._gathered.release_all(self._params)
 
     def _open_span(self) -> Span:
-        release = None if self.policy.keeps_all else _RELEASE
+        release = None if self.policy.keeps_all else RELEASE
         return DeepSpeedSpan(self._optimizer, list(self._params), self.probing,
                              self._coordinator, release)
 
@@ -296,7 +268,7 @@ class DeepSpeedBlock(BlockBase):
 
     def _refuse_forward_after_held(self, engine: Any, args: Any) -> None:
         # Also a cached loss's replay inside another model's backward.
-        if self._pending and torch.is_grad_enabled() and not self.tracker.in_backward:
+        if self._writes.pending and torch.is_grad_enabled() and not self.tracker.in_backward:
             raise RetainError(FORWARD_AFTER_HELD_PASS)
 
     def on_backward_start(self) -> None:
@@ -316,28 +288,16 @@ class DeepSpeedBlock(BlockBase):
             return  # another model's backward
         if not (self.probing or self.tracker.in_backward) and kernel_holds(self._trainable):
             return  # see [Note: passes a tiled kernel holds] in fsdp_retain/_nested.py
-        gas = int(self.model.gradient_accumulation_steps())
-        if not (reaches_output or self.probing or self.model._running_engine_backward or gas == 1):
-            raise RetainError(UNSCALED.format(gas=gas))
+        self._contract.check_pass(reaches_output, self.probing)
         self._on_pass_start()
         queue_callback(self._on_pass_end)
 
     def _on_pass_start(self) -> None:
         index = self._start_pass()
         if not self.policy.keeps_all:  # per-module fetch and release on every pass
-            self._counters.rearm(self._root, first=index == 1)
-        if self.probing:
-            return
-        if self.policy.holds_back and self.policy.is_last(index):
-            self._optimizer._coalesce_grad_reduction = self._saved_coalesce
-        reduces = not self._optimizer._coalesce_grad_reduction
-        if self._reduced and reduces:
-            self._accumulate_into_partitions()
-        if reduces and self._optimizer.micro_step_id == 0:
-            self._zero_unreached_partitions()
-        self._engine_prologue()
-        self._reduced = self._reduced or reduces
-        self._pending = not reduces
+            self._gathered.rearm(self._root, first=index == 1)
+        if not self.probing:
+            self._writes.pass_start(index, _pass_start.will_run)
 
     def _prologue_from_output_hook(self) -> None:
         """The engine's ``_backward_prologue`` while the block is installed.
@@ -365,81 +325,8 @@ class DeepSpeedBlock(BlockBase):
         replay's gradients in its bucket (ZeRO-3's duplicate-parameter assertion). The
         engine's epilogue reduces each replay, as it does after a ``loss.backward()``."""
         self._end_pass()
-        if not self._pending:
+        if not self._writes.pending:
             self.model._backward_epilogue()
-
-    # Gradients #
-    def _accumulate_into_partitions(self) -> None:
-        """Makes this pass add to the reduced partitions instead of overwriting them."""
-        opt = self._optimizer
-        # optimizer.zero_grad() since the last pass clears both: copy, dropping it.
-        if opt.micro_step_id == 0 and opt._epilogue_ran_this_backward:
-            opt.micro_step_id = 1
-            self._bumped_micro_step = True
-
-    def _zero_unreached_partitions(self) -> None:
-        """A pass at ``micro_step_id == 0`` copies over the partitions it reaches,
-        and later passes add to every partition. Zeroes the ones it does not
-        reach, which still hold the previous step's gradient (seen: a first pass
-        from inside the model left the last layer's gradient of the step before).
-        A parameter without a held node (``held_node``) is zeroed too: when a
-        checkpoint's recompute reaches it after all, its reduction copies over."""
-        for param in self._graph.unreached(_pass_start.will_run, self._trainable):
-            partition = self._partitions.get(param.ds_id)
-            if partition is not None:
-                partition.zero_()
-
-    def _restore_micro_step(self) -> None:
-        # optimizer.zero_grad() in between already set it back to 0.
-        if self._bumped_micro_step and self._optimizer.micro_step_id == 1:
-            self._optimizer.micro_step_id = 0
-        self._bumped_micro_step = False
-
-    def _engine_prologue(self) -> None:
-        """Runs the engine's backward prologue for this pass.
-
-        See [Note: the engine's backward prologue in the block]. Depth 0: a
-        pass before ran its epilogue, or it did not run (an exception).
-        """
-        state = self._optimizer._backward_hook_state
-        state.backward_active_depth = 0
-        state.backward_seen_this_step = False  # enter_backward then resets its counters
-        self._prologue()
-
-    def _flush_gradients(self) -> None:
-        """Reduce-scatters the held-back gradients, as ``coalesce_grad_reduction`` does."""
-        opt = self._optimizer
-        opt._coalesce_grad_reduction = self._saved_coalesce
-        self._pending = False
-        for group in opt.fp16_groups:
-            for param in group:
-                if param.requires_grad and param.grad is not None:
-                    opt.reduce_ready_partitions_and_remove_grads(param)
-        opt.independent_gradient_partition_epilogue()
-
-
-class _HookCounters:
-    """ZeRO-3's backward hook counters of each module as pass 1 found them, put back
-    before every later pass (``keep_unsharded=False``: ZeRO-3 fetches and releases
-    per module in every pass), zeroed at the exit."""
-
-    def __init__(self) -> None:
-        self._saved: dict[nn.Module, tuple[int, ...]] = {}
-
-    def rearm(self, root: nn.Module, first: bool) -> None:
-        if first:
-            self._saved = {m: tuple(getattr(m, name, 0) for name in _COUNTERS)
-                           for m in root.modules() if "pre_bwd_fn" in m.__dict__}
-            return
-        for module, values in self._saved.items():
-            for name, value in zip(_COUNTERS, values):
-                setattr(module, name, value)
-
-    def reset(self) -> None:
-        for module in self._saved:
-            for name in _COUNTERS:
-                setattr(module, name, 0)
-        self._saved.clear()
 
 
 def _nodes_from_before(params: list[nn.Parameter], flavour: str) -> list[Any]:
@@ -452,10 +339,6 @@ def _nodes_from_before(params: list[nn.Parameter], flavour: str) -> list[Any]:
             if node is not None:
                 found.append(node)
     return found
-
-
-def _keep_gathered(param: Any, free_data: bool = True) -> None:
-    """Stands in for the coordinator's release while ``keep_unsharded=True``."""
 
 
 _INPUTS_REFUSED = (

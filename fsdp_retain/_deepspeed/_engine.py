@@ -1,21 +1,14 @@
-"""What every DeepSpeed block shares: recognizing an engine, its ZeRO stage, the checks
-that hold for every stage, and the messages the blocks raise (private DeepSpeed access,
-as in the rest of the package). Never imports deepspeed itself."""
+"""What every DeepSpeed block shares: recognizing an engine, its ZeRO stage and the checks
+that hold for every stage (private DeepSpeed access, as in the rest of the package; the
+step and the division by the accumulation steps: ``_step.py``). Never imports deepspeed
+itself."""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from .._common import RetainError, require_attr
-
-UNSCALED = (
-    "no_reshard_between_backwards: this loss.backward() never reaches the DeepSpeed "
-    "engine's output (it starts at a tensor inside the model), where DeepSpeed divides "
-    "the gradient by gradient_accumulation_steps ({gas}); its gradients would be {gas}x "
-    "too large. Use engine.backward(loss), which scales the loss itself, or start the "
-    "pass from the engine's output."
-)
+from .._common import require_attr
 
 
 def flavour(stage: int | str = 3) -> str:
@@ -51,12 +44,3 @@ def check_engine_common(engine: Any, stage: int) -> None:
             f"no_reshard_between_backwards does not support DeepCompile: it replaces "
             f"ZeRO-{stage}'s hooks. Disable compile.deepcompile in the DeepSpeed config."
         )
-
-
-def step_inside_block(*args: Any, **kwargs: Any) -> None:
-    raise RetainError(
-        "engine.step() was called inside no_reshard_between_backwards: the block still "
-        "holds parameters and gradients for later passes. Call engine.step() after the "
-        "block (with accelerate, the last pass must not go through accelerator.backward, "
-        "which steps the engine; use engine.backward)."
-    )

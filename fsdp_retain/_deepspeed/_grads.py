@@ -27,25 +27,25 @@ class _Saved:
     partitions: list[torch.Tensor] | None  # None: they held nothing of this step
     micro_step_id: int
     epilogue_ran: bool
-    block_state: dict[str, Any]
+    writes_state: dict[str, Any]
 
 
 class PartitionSlots(GradSlots):
     """``holders``: the parameters (for identity); the values are their partitions.
 
-    ``block`` is the ``DeepSpeedBlock``: ``_reduced`` says whether a pass of the block
-    wrote the partitions, ``_bumped_micro_step`` whether it made ZeRO-3 add to them.
+    ``writes`` is the block's ``PartitionWrites`` (``_zero3_reduce.py``): ``reduced``
+    says whether a pass of the block wrote the partitions, ``bumped_micro_step`` whether
+    it made ZeRO-3 add to them.
     """
 
-    _BLOCK_STATE = ("_reduced", "_bumped_micro_step")
+    _WRITES_STATE = ("reduced", "bumped_micro_step")
 
-    def __init__(self, block: Any, optimizer: Any, params: list[Any],
-                 partitions: dict[int, torch.Tensor], group: Any) -> None:
-        parts = [partitions[p.ds_id] for p in params]
-        layout = per_param_layout(block._root, params, [p.numel() for p in parts])
+    def __init__(self, writes: Any, root: Any, params: list[Any], group: Any) -> None:
+        parts = [writes.partitions[p.ds_id] for p in params]
+        layout = per_param_layout(root, params, [p.numel() for p in parts])
         super().__init__(params, group, True, layout)
-        self._block = block
-        self._opt = optimizer
+        self._writes = writes
+        self._opt = writes.opt
         self._parts = parts
 
     def _holds_step(self) -> bool:
@@ -58,13 +58,13 @@ class PartitionSlots(GradSlots):
             [p.clone() for p in self._parts] if self._holds_step() else None,
             self._opt.micro_step_id,
             self._opt._epilogue_ran_this_backward,
-            {name: getattr(self._block, name) for name in self._BLOCK_STATE},
+            {name: getattr(self._writes, name) for name in self._WRITES_STATE},
         )
         for part in self._parts:
             part.zero_()
         self._opt.micro_step_id = 0
-        self._block._reduced = False
-        self._block._bumped_micro_step = False
+        self._writes.reduced = False
+        self._writes.bumped_micro_step = False
         return saved
 
     def read(self) -> list[torch.Tensor | None]:
@@ -78,16 +78,16 @@ class PartitionSlots(GradSlots):
                 part.copy_(saved.partitions[i])
         self._opt.micro_step_id = saved.micro_step_id
         self._opt._epilogue_ran_this_backward = saved.epilogue_ran
-        for name, value in saved.block_state.items():
-            setattr(self._block, name, value)
+        for name, value in saved.writes_state.items():
+            setattr(self._writes, name, value)
 
     def add(self, values: list[torch.Tensor | None], selection: Selection) -> None:
         if not self._holds_step():
             for part in self._parts:
                 part.zero_()
             # What a reducing pass leaves: later passes of the block add to these
-            # (DeepSpeedBlock._accumulate_into_partitions), as does a next micro-batch.
-            self._block._reduced = True
+            # (PartitionWrites._accumulate_into_partitions), as does a next micro-batch.
+            self._writes.reduced = True
             self._opt._epilogue_ran_this_backward = True
         for index, (part, value) in enumerate(zip(self._parts, values)):
             if value is not None and selection.ranges[index] is not None:

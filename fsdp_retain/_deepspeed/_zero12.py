@@ -65,10 +65,11 @@ from .._loss_grads import GradSlots
 from .._nested import GradStashSpan, Span, kernel_holds
 from .._policy import RetainOptions
 from .._probe import keep_probe_hooks
-from ._engine import UNSCALED, check_engine_common, flavour, step_inside_block, zero_stage
+from ._engine import check_engine_common, flavour, zero_stage
+from ._step import StepContract
 from ._zero12_reduce import FullGradSlots, Reducer, Zero0Reducer
 
-_SHADOWED = ("_backward_prologue", "_backward_epilogue", "step")
+_SHADOWED = ("_backward_prologue", "_backward_epilogue")
 
 FP16_LOSS_BACKWARD = (
     "no_reshard_between_backwards on DeepSpeed ZeRO-{stage} with fp16: this pass is a "
@@ -127,7 +128,8 @@ class DeepSpeedZero12Block(BlockBase):
         self._acc_nodes = _pass_start.ParamNodes()  # the parameters' AccumulateGrad nodes
         self._prologue: Any = None
         self._pending = False  # local gradients not reduced yet
-        self._grads_pass = False  # a block.grads pass runs: FullGradSlots reduces it
+        # See [Note: who steps and who scales on DeepSpeed] in _step.py.
+        self._contract = StepContract(engine, self._flavour)
 
     # Entering and leaving (see BlockBase) #
     def _root_decided(self) -> bool:
@@ -140,12 +142,13 @@ class DeepSpeedZero12Block(BlockBase):
         for name in _SHADOWED:
             require_attr(self.model, name, self._flavour)
         require_attr(self.model, "_running_engine_backward", self._flavour)
+        self._contract.check_entry()
         self._installed = True
+        self._contract.install()
         self._reducer.install()
         self._prologue = self.model._backward_prologue
         self.model._backward_prologue = self._prologue_from_output_hook
         self.model._backward_epilogue = _no_epilogue
-        self.model.step = step_inside_block
         self._acc_nodes = _pass_start.param_nodes(self.model, self._reducer.params())
         # See [Note: hooks kept on the model] in fsdp_retain/_kept_hooks.py.
         self._kept = kept_hooks(self.model, tree_signature(self._root), self._keep_hooks)
@@ -167,6 +170,7 @@ class DeepSpeedZero12Block(BlockBase):
         for name in _SHADOWED:
             self.model.__dict__.pop(name, None)
         if self._installed:
+            self._contract.uninstall()
             self._reducer.uninstall()
         self._release_model()
 
@@ -176,6 +180,7 @@ class DeepSpeedZero12Block(BlockBase):
             self._flush()
         if self.model.is_gradient_accumulation_boundary():
             self._reducer.finish_step()
+        self._contract.finish(self.tracker.wrote)
 
     def _abort(self) -> None:
         """Exception exit: drop what no pass reduced yet, no collectives."""
@@ -232,15 +237,13 @@ class DeepSpeedZero12Block(BlockBase):
 
     def _begin(self, reaches_output: bool) -> None:
         engine_backward = bool(self.model._running_engine_backward)
-        if not (self.probing or engine_backward or self._grads_pass):
+        if not (self.probing or engine_backward or self._grads_running):
             if self.model.fp16_enabled():
                 raise RetainError(FP16_LOSS_BACKWARD.format(stage=self.stage))
-            gas = int(self.model.gradient_accumulation_steps())
-            if gas > 1 and not reaches_output:
-                raise RetainError(UNSCALED.format(gas=gas))
+        self._contract.check_pass(reaches_output, self.probing)
         index = self._start_pass()
-        reduces = self.policy.reduces(index, probing=self.probing) and not self._grads_pass
-        holds = not (self.probing or self._grads_pass)
+        reduces = self.policy.reduces(index, probing=self.probing) and not self._grads_running
+        holds = not (self.probing or self._grads_running)
         queue_callback(lambda: self._end_of_pass(reduces, holds))
 
     def _end_of_pass(self, reduces: bool, holds: bool) -> None:

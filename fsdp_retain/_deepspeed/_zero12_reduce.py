@@ -174,7 +174,7 @@ class FullGradSlots(GradSlots):
     """``block.grads`` on stages 0-2: the pass's local ``.grad``, all-reduced (averaged)
     once over the data-parallel group into full gradients, the same on every rank
     (``sharded`` False: ``gramian`` needs no collective). ``.grad`` is moved aside for
-    the pass and put back; the block does not flush the pass (``block._grads_pass``).
+    the pass and put back; the block does not flush the pass (``block._grads_running``).
     ``add`` (``apply_grads``) writes into ``.grad``, which the block reduces at its
     exit (off the boundary on ZeRO-0/1: with the boundary micro-batch's): every rank
     adds the same average, so the reduction keeps it."""
@@ -182,10 +182,6 @@ class FullGradSlots(GradSlots):
     def __init__(self, block: Any, params: list[torch.nn.Parameter], group: Any) -> None:
         super().__init__(params, group, False, per_param_layout(block._root, params))
         self._block = block
-
-    def take(self) -> Any:
-        self._block._grads_pass = True
-        return super().take()
 
     def read(self) -> list[torch.Tensor | None]:
         grads = [h.grad for h in self.holders]
@@ -199,10 +195,6 @@ class FullGradSlots(GradSlots):
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
         return grads
-
-    def put(self, saved: Any) -> None:
-        super().put(saved)
-        self._block._grads_pass = False
 
     def add(self, values: list[torch.Tensor | None], selection: Selection) -> None:
         if self._block._exited and self._block.stage != 0:

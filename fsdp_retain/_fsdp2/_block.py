@@ -33,7 +33,9 @@ What the block does to FSDP2, per FSDP parameter group (one per unit):
 - Probe passes (see [Note: probe passes] in ``_common.py``): ``reduce_grads``
   and ``all_reduce_grads`` are ``False`` from the pass start to its end; the
   per-unit post-backward then only reshards (``keep_unsharded=False``) and
-  leaves the accumulated unsharded gradients as they are.
+  leaves the accumulated unsharded gradients as they are. At its end the
+  modules show the parameters they showed before it (see [Note: a probe pass
+  leaves each group as it found it] in ``_reshard.py``).
 
 Pass boundaries (see [Note: the block lifecycle] in ``_lifecycle.py``):
 ``_pass_start`` calls ``on_backward_start`` before the first node of every
@@ -49,6 +51,7 @@ inside the unit.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -72,7 +75,7 @@ from ._compat import (
 from ._grads import HeldGrads, fsdp2_grad_slots
 from ._nested import FSDP2Span
 from ._nodes import ForwardNodes, ParamLeaves
-from ._reshard import BetweenPasses, ShownParams
+from ._reshard import BetweenPasses, ProbeRecord, ShownParams
 from .._lifecycle import BlockBase
 from .._loss_grads import GradSlots
 from .._nested import Span
@@ -107,7 +110,7 @@ class FSDP2Block(BlockBase):
         self._prefetch: tuple[list[Any], list[list[int]]] | None = None
         self._held = HeldGrads()  # sync_grads="last": see _fsdp2_grads
         self._pending_unreduced = False
-        self._probe_flags: list[tuple[Any, bool, bool]] = []
+        self._probe: list[ProbeRecord] = []  # see _fsdp2_reshard
         self._nodes = ForwardNodes()  # which states a pass uses: see _fsdp2_nodes
         self._kept: set[int] = set()  # ids of the groups kept unsharded between passes
         self._lookup = ParamLeaves(self._groups)  # passes with inputs=
@@ -218,11 +221,15 @@ class FSDP2Block(BlockBase):
                     group.reshard()
         self._shown.swapped.clear()
 
+    # Probe passes: see [Note: a probe pass leaves each group as it found it] #
+    def _before_probe(self) -> None:
+        self._probe = [ProbeRecord(group) for group in self._groups]
+
     def _end_probe(self) -> None:
-        for group, reduce_grads, all_reduce_grads in self._probe_flags:
-            group.reduce_grads = reduce_grads
-            group.all_reduce_grads = all_reduce_grads
-        self._probe_flags.clear()
+        freed = [record.group for record in self._probe if not record.end(self._shown)]
+        self._probe.clear()
+        if freed and not self.frees_now():
+            warnings.warn(_PROBE_FREED.format(len(freed)), stacklevel=2)
 
     # Per-loss gradients: see [Note: per-loss gradients] in _loss_grads.py #
     def _check_grads(self) -> None:
@@ -292,20 +299,16 @@ class FSDP2Block(BlockBase):
         if self.probing:
             # Reduce nothing; held-back gradients stay pending (flushed at exit
             # if this was the last pass).
-            self._probe_flags = [
-                (g, g.reduce_grads, g.all_reduce_grads) for g in self._groups
-            ]
-            for group in self._groups:
-                group.reduce_grads = False
-                group.all_reduce_grads = False
+            for record in self._probe:
+                record.start()
         else:
             self._pending_unreduced = not policy.reduces(index, probing=False)
 
     def _on_pass_end(self) -> None:
         self._end_pass()
-        self._end_probe()
         if self._kept:
             self._shown.show_sharded()
+        self._end_probe()  # after the swap: a probe pass shows what it found
         if self._pending_unreduced:
             self._held.record(self._groups)
 
@@ -323,6 +326,15 @@ class FSDP2Block(BlockBase):
         run_root_final_callback(self._state)
 
 
+_PROBE_FREED = (
+    "block.backward(..., param_grads=False) freed the unsharded parameters of {} FSDP2 "
+    "unit(s) that keep_unsharded does not keep, and their .grad held gradients "
+    "accumulated under set_requires_gradient_sync(False). Between passes and after the "
+    "block, model.parameters() shows those units' sharded parameters, whose .grad does "
+    "not hold these gradients (FSDP2 still does: nothing is lost, the syncing "
+    "micro-batch reduces them). To read them through model.parameters(), keep these "
+    "units unsharded (keep_unsharded=True or a larger byte budget)."
+)
 _GRADS_NEED_SYNC = (
     "block.grads() needs each pass reduced: this model has gradient sync off "
     "(set_requires_gradient_sync(False)). Call it outside gradient accumulation, or "

@@ -41,10 +41,12 @@ _GROUP_ATTRS = GROUP_FLAGS + (
     "_post_forward_indices",
     "is_sharded",
     "is_unsharded",
+    "is_sharded_post_forward",
     "use_training_state",
     "reshard",
 )
-_PARAM_ATTRS = ("sharded_param", "_setattr_on_modules", "_orig_size", "orig_dtype", "param_dtype")
+_PARAM_ATTRS = ("sharded_param", "_setattr_on_modules", "_module_info", "_orig_size",
+                "orig_dtype", "param_dtype")
 
 
 # (type, names) already probed: the attributes are this torch's, the same for every

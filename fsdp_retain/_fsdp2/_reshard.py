@@ -1,6 +1,7 @@
 """Where each FSDP2 parameter group goes between passes: the block's per-group flags,
-resharding to groups of ranks (``reshard_to``), and which parameters the modules of a
-group kept unsharded show (``ShownParams``).
+resharding to groups of ranks (``reshard_to``), which parameters the modules of a
+group kept unsharded show (``ShownParams``), and where a probe pass leaves each group
+(``ProbeRecord``).
 
 Part of the FSDP2 backend with ``_block.py`` (private FSDP2 access).
 
@@ -24,6 +25,26 @@ the last announced pass, at the block exit and outside a backward FSDP2's own
 built with a bool ``reshard_after_forward`` the group mesh is made as FSDP2 makes
 its own, once per group and ``ranks`` (a ``DeviceMesh`` creates process groups:
 every rank installs the block at the same point), and kept on the group.
+
+[Note: a probe pass leaves each group as it found it]
+A probe pass changes no gradient (see [Note: probe passes] in ``_common.py``), so it
+must not change which tensor the modules show for a parameter either: that tensor's
+``.grad`` is what ``model.parameters()`` reads. FSDP2 shows a group's unsharded
+parameters while it is unsharded (after a forward, and after a backward that did not
+reshard); under ``set_requires_gradient_sync(False)`` their ``.grad`` holds the
+gradients the earlier micro-batches accumulated, which the sharded parameters do not
+have. The block shows the sharded ones between passes (``ShownParams``), so a probe
+pass that runs first, between the forward and the first normal pass, would end with
+the sharded parameters shown and ``.grad`` reading ``None``. A ``ProbeRecord`` per
+group notes at the probe's start (before the pass start shows the unsharded
+parameters) which of its ``FSDPParam``'s tensors each module shows, and the pass's
+reduce flags once the pass starts; at the pass end, after the block's own swap, it puts
+the flags back and shows those tensors again, each where it still holds data: the
+sharded parameter always, the unsharded one while the group is unsharded, the
+post-forward shard while the group is resharded to it. A group the budget does not
+keep is freed by the pass, as by any pass (``keep_unsharded=False`` promises no memory
+between passes): its modules show the sharded parameters, and where they showed a
+gradient before, the block warns.
 """
 
 from __future__ import annotations
@@ -48,6 +69,13 @@ _PARAM_MESH_ATTRS = (
 _PARAM_ATTRS = ("_init_sharded_post_forward_param_metadata", "_orig_size")
 _GROUP_ATTRS = ("_to_sharded_post_forward", "_to_sharded", "is_sharded_post_forward",
                 "_training_state", "mesh_info")
+# The FSDPParam attributes whose tensor its modules may show, with the group property
+# true while that tensor holds data (None: always).
+_SHOWABLE = {
+    "sharded_param": None,
+    "_unsharded_param": "is_unsharded",
+    "_sharded_post_forward_param": "is_sharded_post_forward",
+}
 _MESHES_ATTR = "_fsdp_retain_group_meshes"  # on a group: {ranks: its mesh info}
 _PARAM_META_ATTR = "_fsdp_retain_group_meta"  # on an FSDPParam: {ranks: its metadata}
 
@@ -78,6 +106,25 @@ class ShownParams:
                     fsdp_param._setattr_on_modules(fsdp_param._unsharded_param)
                 self.swapped.discard(id(each))
 
+    def put(self, group: Any, shown: list[str | None]) -> bool:
+        """``group``'s modules show again the tensors ``shown`` names (``shown_attrs``)
+        where they still hold data; False where one does not (the group was freed
+        since), whose modules keep what FSDP2 set."""
+        whole = True
+        for fsdp_param, name in zip(group.fsdp_params, shown):
+            tensor = _showable(group, fsdp_param, name)
+            if tensor is None:
+                whole = whole and name is None
+            elif _module_param(fsdp_param) is not tensor:
+                fsdp_param._setattr_on_modules(tensor)
+        if group.is_unsharded and any(
+            _module_param(fp) is fp.sharded_param for fp in group.fsdp_params
+        ):
+            self.swapped.add(id(group))
+        else:
+            self.swapped.discard(id(group))
+        return whole
+
     def hook_forwards(self, kept: set[int]) -> list[Any]:
         """A forward between passes of a kept group's module shows the unsharded
         parameters first."""
@@ -93,6 +140,59 @@ class ShownParams:
     def _before_forward(self, module: Any, args: Any) -> None:
         if not compiling():
             self.show_unsharded()
+
+
+def _module_param(fsdp_param: Any) -> Any:
+    info = fsdp_param._module_info
+    return getattr(info.module, info.param_name)
+
+
+def _showable(group: Any, fsdp_param: Any, name: str | None) -> Any:
+    """The tensor ``fsdp_param.<name>`` if it holds data now, else None."""
+    if name is None:
+        return None
+    state = _SHOWABLE[name]
+    if state is not None and not getattr(group, state):
+        return None
+    return getattr(fsdp_param, name, None)
+
+
+def shown_attrs(group: Any) -> list[str | None]:
+    """Per FSDP parameter of ``group``, the attribute holding the tensor its modules
+    show (None: none of them, e.g. a tensor the user set)."""
+    found = []
+    for fsdp_param in group.fsdp_params:
+        shown = _module_param(fsdp_param)
+        found.append(next(
+            (name for name in _SHOWABLE if getattr(fsdp_param, name, None) is shown), None
+        ))
+    return found
+
+
+class ProbeRecord:
+    """One parameter group as a probe pass found it; see [Note: a probe pass leaves
+    each group as it found it]."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.shown = shown_attrs(group)
+        self.showed_grad = any(_module_param(fp).grad is not None for fp in group.fsdp_params)
+        self.flags: tuple[bool, bool] | None = None  # at the pass start
+
+    def start(self) -> None:
+        """The pass starts: it reduces nothing (held-back gradients stay pending)."""
+        group = self.group
+        self.flags = (group.reduce_grads, group.all_reduce_grads)
+        group.reduce_grads = False
+        group.all_reduce_grads = False
+
+    def end(self, shown: ShownParams) -> bool:
+        """Puts back the flags and what the modules showed; False where the group was
+        freed since and its modules showed a gradient, which they no longer show."""
+        if self.flags is not None:
+            self.group.reduce_grads, self.group.all_reduce_grads = self.flags
+            self.flags = None
+        return shown.put(self.group, self.shown) or not self.showed_grad
 
 
 def set_group_flags(groups: list[Any], kept: set[int], holds_back: bool) -> None:

@@ -1,3 +1,8 @@
-"""Integrations with training frameworks: ``fsdp_retain.integrations.transformers`` (the
-transformers ``Trainer`` family: ``Trainer``, sentence-transformers'
-``SentenceTransformerTrainer``, TRL's trainers)."""
+"""Integrations with training frameworks, one module per framework:
+``fsdp_retain.integrations.transformers`` (the transformers ``Trainer`` family: ``Trainer``,
+sentence-transformers' ``SentenceTransformerTrainer``, TRL's trainers) and
+``fsdp_retain.integrations.accelerate`` (accelerate's own training loop) and
+``fsdp_retain.integrations.lightning`` (what the DDP backend needs to know of Lightning's
+``DDPStrategy``). Who steps a
+DeepSpeed engine and who divides by the accumulation steps under each: [Note: who steps
+and who scales on DeepSpeed] in ``fsdp_retain/_deepspeed/_step.py``."""

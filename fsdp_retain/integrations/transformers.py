@@ -12,8 +12,10 @@ the same way (``__init_subclass__``); inside it, ``self.retain_block`` is the bl
 calls ``super().training_step`` runs in the one block of the step. The Trainer's own
 gradient accumulation, clipping and mixed precision are left as it configures them: its
 ``no_sync`` for the micro-batches that do not sync is what the block reads there. Under
-DeepSpeed the engine steps after the block (see [Note: DeepSpeed's step under the
-Trainer] in ``_accelerate.py``).
+DeepSpeed the engine steps after the block, at the accumulation boundary, whatever made
+the gradients, and nothing in the block divides a loss again: the Trainer divided it
+(see [Note: accelerate's DeepSpeed wrapper in the block] in ``accelerate.py`` and
+[Note: who steps and who scales on DeepSpeed] in ``_deepspeed/_step.py``).
 
 The block's options come from one place: ``retain_options=`` (a dict of
 ``no_reshard_between_backwards``'s keyword arguments) passed to the Trainer, or a
@@ -38,11 +40,18 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._api import RetainBlock, no_reshard_between_backwards
+from .._api import RetainBlock
+from .._deepspeed._step import Seam
 from .._policy import RetainOptions
-from ._accelerate import engine_steps_after
+from .accelerate import _retaining
 
 __all__ = ["RetainTrainerMixin", "retaining_trainer"]
+
+TRAINER = Seam(
+    "the Trainer (RetainTrainerMixin)", divided=True, steps_after=True,
+    fix="RetainTrainerMixin steps the engine after training_step, at the accumulation "
+        "boundary: leave engine.step() out of training_step.",
+)
 
 _BOTH = (
     "retain_options was given both to the Trainer ({direct}) and in its training arguments "
@@ -85,13 +94,13 @@ class RetainTrainerMixin:
         if self.retain_block is not None:
             yield self.retain_block
             return
-        with engine_steps_after(self.accelerator):  # type: ignore[attr-defined]
-            with no_reshard_between_backwards(model, **self.retain_options) as block:
-                self.retain_block = block
-                try:
-                    yield block
-                finally:
-                    self.retain_block = None
+        accelerator = self.accelerator  # type: ignore[attr-defined]
+        with _retaining(accelerator, model, TRAINER, self.retain_options) as block:
+            self.retain_block = block
+            try:
+                yield block
+            finally:
+                self.retain_block = None
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         with self.retaining(model):

@@ -5,14 +5,14 @@ times the same single-threaded work everywhere, a pure-Python loop and a small t
 matmul loop, best of three each, so that a time quoted with its calibration can be
 scaled: a machine whose calibration takes twice as long runs CPU-bound work about half
 as fast. ``python -m fsdp_retain.report calibrate`` prints it; so do ``.ci/run`` and
-``fit --verbose``.
+``fit --verbose``. Run as a file (``python fsdp_retain/report/_calibrate.py --python-only``)
+it needs no torch: ``.ci/run`` takes a reading so before its venv exists.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-
-import torch
 
 _PYTHON_LOOP = 2_000_000
 _MATMULS, _SIZE = 200, 192
@@ -26,6 +26,8 @@ def _python_work() -> int:
 
 
 def _torch_work() -> float:
+    import torch
+
     a = torch.ones(_SIZE, _SIZE) / _SIZE
     b = a.clone()
     for _ in range(_MATMULS):
@@ -44,6 +46,8 @@ def _best(work, repeats: int = 3) -> float:
 
 def calibration() -> dict[str, float]:
     """Seconds for the Python loop and the torch loop, single-threaded."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -59,5 +63,12 @@ def calibration_line(values: dict[str, float] | None = None) -> str:
 
 
 def main() -> int:
+    if "--python-only" in sys.argv[1:]:
+        print(f"calibration: python {_best(_python_work):.3f} s (no torch)", flush=True)
+        return 0
     print(calibration_line(), flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,9 @@
 """``fsdp_retain.integrations.transformers`` without ranks: where the block goes around a
 Trainer's ``training_step``, where the options come from, and DeepSpeed's step after the
-block (a stand-in Trainer and accelerator; the real Trainers run in
-``tests/docs/test_examples.py``, ``tests/deepspeed/test_deepspeed.py`` and
+block (a stand-in Trainer, accelerator and engine; the block stands in too, recording the
+step it owes as the DeepSpeed blocks do at a clean exit. The real Trainers run in
+``tests/docs/test_examples.py``, ``tests/deepspeed/test_deepspeed.py`` (the seams grid of
+``tests/deepspeed/cases_deepspeed_seams.py`` among them) and
 ``tests/clients/test_sentence_transformers.py``)."""
 
 from __future__ import annotations
@@ -11,21 +13,30 @@ import types
 
 import pytest
 
-from fsdp_retain.integrations import transformers as integration
+from fsdp_retain._deepspeed._step import StepContract
+from fsdp_retain.integrations import accelerate as integration
 from fsdp_retain.integrations.transformers import RetainTrainerMixin, retaining_trainer
 
 
-class Engine:
+class Engine:  # what the integration and the step contract read of a DeepSpeedEngine
+    micro_steps = 0
+    _is_gradient_accumulation_boundary = None
+
     def __init__(self, log: list) -> None:
         self.log = log
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._is_gradient_accumulation_boundary = is_boundary
         self.log.append(("boundary", is_boundary))
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return bool(self._is_gradient_accumulation_boundary)
 
     def backward(self, loss, **kwargs) -> None:
         self.log.append(("backward", loss, kwargs))
 
     def step(self) -> None:
+        self.micro_steps += 1
         self.log.append(("step",))
 
 
@@ -68,7 +79,8 @@ class Trainer:  # what the mixin needs of transformers.Trainer
 
 @pytest.fixture
 def blocks(monkeypatch):
-    """Stands in for no_reshard_between_backwards: records entries, options and exits."""
+    """Stands in for no_reshard_between_backwards: records entries, options and exits; on
+    an engine, a clean exit records the step it owes (the block wrote gradients)."""
     seen: list = []
 
     @contextlib.contextmanager
@@ -76,6 +88,8 @@ def blocks(monkeypatch):
         seen.append(("enter", model, options))
         try:
             yield types.SimpleNamespace(model=model)
+            if isinstance(model, Engine):
+                StepContract(model, "stand-in").finish(wrote=True)
         finally:
             seen.append(("exit", model))
 
@@ -128,9 +142,9 @@ def test_bad_options_are_refused_at_construction(kwargs, needle):
 @pytest.mark.parametrize("sync", [True, False], ids=["boundary", "accumulating"])
 def test_deepspeed_steps_after_the_block(blocks, sync):
     """accelerate's DeepSpeed backward steps the engine right after engine.backward; in
-    the block it only marks the boundary and runs engine.backward (scale_wrt_gas=False: the
-    Trainer family divides the loss), and the engine steps after the block exits, at the
-    boundary only."""
+    the block (whose entry marks the boundary) it only runs engine.backward
+    (scale_wrt_gas=False: the Trainer family divides the loss), and the engine steps after
+    the block exits, at the boundary only."""
     class TwoLoss(RetainTrainerMixin, Trainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
             self.log.append(("pass 1",))
@@ -145,11 +159,11 @@ def test_deepspeed_steps_after_the_block(blocks, sync):
     trainer.log = blocks
     wrapper.engine.log = blocks
     trainer.accelerator.log = blocks
-    trainer.training_step("engine", None)
+    trainer.training_step(wrapper.engine, None)
     kinds = [e if isinstance(e, str) else e[0] for e in blocks]
     steps = ["step"] if sync else []
-    assert kinds == ["log", "boundary", "enter", "pass 1", "boundary", "backward", "pass 2",
-                     "boundary", "backward", "block ends", "exit", *steps], kinds
+    assert kinds == ["log", "boundary", "enter", "pass 1", "backward", "pass 2",
+                     "backward", "block ends", "exit", *steps], kinds
     backwards = [e for e in blocks if not isinstance(e, str) and e[0] == "backward"]
     assert backwards == [("backward", "first", {"retain_graph": True, "scale_wrt_gas": False}),
                          ("backward", "second", {"scale_wrt_gas": False})]
@@ -164,7 +178,28 @@ def test_deepspeed_exception_steps_nothing(blocks):
 
     trainer = Failing(deepspeed=True)
     with pytest.raises(RuntimeError, match="boom"):
-        trainer.training_step("engine", None)
+        trainer.training_step(trainer.accelerator.deepspeed_engine_wrapped.engine, None)
     assert ("step",) not in trainer.log
     assert "backward" not in vars(trainer.accelerator.deepspeed_engine_wrapped)
     assert trainer.retain_block is None
+
+
+def test_accelerate_block_entered_before_its_boundary_is_refused(blocks):
+    """fsdp_retain.integrations.accelerate.retaining reads the boundary at its entry: entered
+    before accelerator.accumulate decided it, the first backward is refused, before the
+    engine's backward runs."""
+    accelerator = Accelerator([], deepspeed=True, sync=False)
+    engine = accelerator.deepspeed_engine_wrapped.engine
+    with pytest.raises(integration.RetainError, match="inside `with accelerator.accumulate"):
+        with integration.retaining(accelerator, engine):
+            accelerator.sync_gradients = True  # accumulate() entered inside the block
+            accelerator.backward("loss")
+    assert not [e for e in accelerator.log if e[0] in ("backward", "step")], accelerator.log
+
+
+def test_accelerate_names_the_engine_to_pass(blocks):
+    accelerator = Accelerator([], deepspeed=True)
+    with pytest.raises(ValueError, match="pass what accelerator.prepare returned"):
+        with integration.retaining(accelerator, "the unwrapped module"):
+            pass
+    assert blocks == []

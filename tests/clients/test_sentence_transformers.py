@@ -10,13 +10,13 @@ Every run matches an unsharded one-process replay with the uncached
 formulas below: with the block one per FSDP unit, however many mini-batches.
 
 Skipped when sentence-transformers is not installed; run it in its own venv:
-``scripts/venv_ci.sh st`` (sentence-transformers 6.2.0 next to torch 2.13.0).
+``scripts/venv_ci.sh deepspeed`` (sentence-transformers 6.2.0 and DeepSpeed next to torch 2.13.0).
 """
 
 import pytest
 
 pytest.importorskip("sentence_transformers",
-                    reason="sentence-transformers not installed (scripts/venv_ci.sh st)")
+                    reason="sentence-transformers not installed (scripts/venv_ci.sh deepspeed)")
 pytest.importorskip("datasets", reason="the SentenceTransformerTrainer needs datasets")
 
 import re  # noqa: E402

@@ -16,6 +16,8 @@ The cases live in parts, one concern each, registered here in this order:
   a cached loss).
 - ``tests/deepspeed/cases_deepspeed_zero12.py``: ZeRO stages 0, 1 and 2 (their own block).
 - ``tests/deepspeed/cases_deepspeed_zero12_nested.py``: ZeRO stages 0, 1 and 2 with a tiled MLP.
+- ``tests/deepspeed/cases_deepspeed_seams.py``: who steps and who scales, every way in (a plain
+  loop, accelerate, the Trainer) x ZeRO-0..3 x every entry, plain DeepSpeed beside it.
 
 ``tests/deepspeed/cases_deepspeed_common.py`` holds what they share (the model, the engine, the
 reference, ``Scenario`` and ``run_parity``, collective counting).
@@ -28,6 +30,7 @@ from tests.deepspeed import (
     cases_deepspeed_nested,
     cases_deepspeed_parity,
     cases_deepspeed_pass_starts,
+    cases_deepspeed_seams,
     cases_deepspeed_state,
     cases_deepspeed_zero12,
     cases_deepspeed_zero12_nested,
@@ -44,4 +47,5 @@ registry = combined(
     cases_deepspeed_nested,
     cases_deepspeed_zero12,
     cases_deepspeed_zero12_nested,
+    cases_deepspeed_seams,
 )

@@ -21,19 +21,23 @@ case_tests(globals(), "tests.real_stacks.cases_real_stacks_ds_kernels",
 case_tests(globals(), "tests.deepspeed.cases_deepspeed_hpz", {"test_deepspeed_hpz": (4, 600)})
 
 
-def test_accelerate_zero3_train():
-    """accelerate launch zero3.yaml (2 CPU ranks via the shim), gradient accumulation 2."""
+@pytest.mark.parametrize("stage, clip", [(3, ""), (1, ", clipped to 0.05")])
+def test_accelerate_deepspeed_train(stage, clip):
+    """accelerate launch zero{3,1}.yaml (2 CPU ranks via the shim), gradient accumulation 2
+    inside accelerator.accumulate, fsdp_retain.integrations.accelerate.retaining: the engine
+    steps after the block at the boundary (8 steps); ZeRO-1 clips from the DeepSpeed
+    config, the replay clips the same."""
     pytest.importorskip("accelerate", reason="the accelerate example needs accelerate")
     from tests.docs.test_examples import CPU_FSDP, EXAMPLES, _accelerate, _check_ok, _number
 
-    proc = _accelerate("zero3.yaml", CPU_FSDP, str(EXAMPLES / "accelerate" / "train.py"))
+    proc = _accelerate(f"zero{stage}.yaml", CPU_FSDP, str(EXAMPLES / "accelerate" / "train.py"))
     out = _check_ok(proc)
     assert (
-        "accelerate: DEEPSPEED (zero_stage 3), 2 processes on cpu, "
+        f"accelerate: DEEPSPEED (zero_stage {stage}), 2 processes on cpu, "
         "gradient_accumulation_steps 2; model Net"
     ) in out, out
     assert _number(r"replay after (\d+) optimizer steps", out) == 8
-    assert _number(r"optimizer steps: (\S+)", out) <= 1e-4
+    assert _number(r"optimizer steps" + clip + r": (\S+)", out) <= 1e-4
 
 
 def test_accelerate_zero3_refuses_cpu_without_shim():

@@ -77,7 +77,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.support.harness import EXIT_ABORT, ROOT, record_launch, run_retrying_exit_abort, timeout_scale
+from tests.support.harness import (
+    EXIT_ABORT, ROOT, recorded_launch, run_retrying_exit_abort, timeout_scale,
+)
 
 EXAMPLES = ROOT / "examples"
 COUNT_BLOCKS = str(ROOT / "tests" / "support" / "count_blocks.py")
@@ -113,16 +115,16 @@ def _torchrun(script: str, *script_args: str, count_blocks: bool = True,
     variables; a rank that fails stops the other), without torchrun's own process,
     which costs ~2 s a launch; ``via_torchrun`` for the README's command itself."""
     program = ([COUNT_BLOCKS] if count_blocks else []) + [str(EXAMPLES / script), *script_args]
-    record_launch(f"example {script}", 2)
-    if via_torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-        cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-        return _run(cmd + program, env)
-    for _ in range(2):
-        proc = _spawn_ranks([sys.executable, *program], env)
-        if proc.returncode == 0 or EXIT_ABORT not in proc.stdout + proc.stderr:
-            break
-    return proc
+    with recorded_launch(f"example {script} {' '.join(script_args)}".rstrip(), 2):
+        if via_torchrun:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+            cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+            return _run(cmd + program, env)
+        for _ in range(2):
+            proc = _spawn_ranks([sys.executable, *program], env)
+            if proc.returncode == 0 or EXIT_ABORT not in proc.stdout + proc.stderr:
+                break
+        return proc
 
 
 def _spawn_ranks(cmd: list[str], env: dict[str, str] | None,
@@ -167,7 +169,8 @@ def _accelerate(config: str, *script: str, env: dict[str, str] | None = None):
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     cmd += ["--config_file", str(EXAMPLES / "accelerate" / config)]
     cmd += ["--main_process_port", str(_free_port())]
-    return _run(cmd + list(script), env)
+    with recorded_launch(f"accelerate launch {config} {os.path.basename(script[-1])}", 2):
+        return _run(cmd + list(script), env)
 
 
 def _number(pattern: str, out: str) -> float:

@@ -14,4 +14,7 @@ backward (FSDP1 FULL_SHARD, FSDP2); misuse gets clear errors.
 
 from tests.support.harness import case_tests
 
-case_tests(globals(), "tests.options.cases_probe", {"test_probe": (2, 600)})
+case_tests(globals(), "tests.options.cases_probe", {
+    "test_probe": (2, 600),
+    "test_probe_ws4": (4, 300),
+})

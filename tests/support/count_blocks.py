@@ -47,10 +47,11 @@ def _install() -> None:
             )
 
     fsdp_retain.no_reshard_between_backwards = counted
-    # The Trainer integration opens its blocks through its own reference.
-    from fsdp_retain.integrations import transformers as trainer_integration
+    # The integrations (accelerate's loop, the Trainer's, through accelerate's) open their
+    # blocks through their own reference.
+    from fsdp_retain.integrations import accelerate as accelerate_integration
 
-    trainer_integration.no_reshard_between_backwards = counted  # type: ignore[assignment]
+    accelerate_integration.no_reshard_between_backwards = counted  # type: ignore[assignment]
 
 
 def main() -> None:

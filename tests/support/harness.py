@@ -18,6 +18,7 @@ A test file is a docstring saying what its cases cover, then::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -34,7 +35,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,12 +147,25 @@ def launch(
 LAUNCH_LOG_ENV = "FSDP_RETAIN_LAUNCH_LOG"  # CI counts rank launches here (.ci/run)
 
 
-def record_launch(what: str, world_size: int) -> None:
-    """One line per rank launch in ``$FSDP_RETAIN_LAUNCH_LOG``, where it is set."""
+def record_launch(what: str, world_size: int, seconds: float, setup: float | None = None) -> None:
+    """One line per rank launch in ``$FSDP_RETAIN_LAUNCH_LOG``, where it is set: its
+    world size, wall time, the part of it before the first case ran (``setup``: starting
+    the ranks, imports, the process group; ``-`` where unknown), and what it ran."""
     path = os.environ.get(LAUNCH_LOG_ENV)
     if path:
+        before = "-" if setup is None else f"{setup:.1f}"
         with open(path, "a") as log:
-            log.write(f"{world_size} {what}\n")
+            log.write(f"{world_size} {seconds:.1f} {before} {what}\n")
+
+
+@contextlib.contextmanager
+def recorded_launch(what: str, world_size: int) -> Iterator[None]:
+    """``record_launch`` for a launch that is not a cases launch (an example's ranks)."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        record_launch(what, world_size, time.monotonic() - start)
 
 
 def launch_cases(
@@ -163,7 +177,7 @@ def launch_cases(
 ) -> LaunchResult:
     """Spawns ``world_size`` ranks that run ``cases`` ((module, case) pairs, in order,
     from any number of cases modules); the results are keyed ``"module:case"``."""
-    record_launch("cases " + ",".join(sorted({module for module, _ in cases})), world_size)
+    started = time.monotonic()
     timeout *= timeout_scale()
     workdir = Path(tempfile.mkdtemp(prefix="fsdp_retain_launch_"))
     port = _free_port()
@@ -229,6 +243,10 @@ def launch_cases(
         lines = path.read_text().splitlines() if path.exists() else []
         per_rank.append(dict(json.loads(line) for line in lines))
     shutil.rmtree(workdir, ignore_errors=True)
+    wall = time.monotonic() - started
+    in_cases = sum(entry.get("seconds", 0.0) for entry in per_rank[0].values()) if per_rank else 0
+    modules = ",".join(sorted({module for module, _ in cases}))
+    record_launch(f"cases {modules} ({len(cases)} cases)", world_size, wall, wall - in_cases)
     return LaunchResult(
         world_size, [p.returncode for p in procs], per_rank, outputs, timed_out
     )
