@@ -17,8 +17,20 @@ Stages (``--stage``, in this order; ``all`` is every one):
   precision, probe passes, ``check_saved_tensors``; collectives by formula.
 - ``report``: ``python -m fsdp_retain.report`` on Qwen2.5-1.5B shapes, bf16,
   8 x 2048 tokens per rank, one backend per run (fsdp2, then fsdp1), modes
-  ``two_forward``, ``keep:every``, ``regather:every``, ``probe:every``. A run
-  that runs out of memory is run again with the next smaller batch (6, 4, 2, 1).
+  ``two_forward``, ``keep:every``, ``regather:every``, ``probe:every``, and
+  ``one_backward`` beside ``one_pass:every`` (one backward in the block against the same
+  step without it). A run that runs out of memory is run again with the next smaller
+  batch (6, 4, 2, 1).
+- ``stacks``: DDP and DeepSpeed ZeRO-2/3: ``tests/repo/cases_device_stacks.py``'s parity
+  cases on G ranks, and the report's ``ddp`` and ``deepspeed`` (ZeRO-3) runs, modes
+  ``STACK_MODES``. Where deepspeed is missing it is installed from ``wheelhouse/``
+  (``scripts/gpu_wheelhouse.sh``) into a throwaway venv over the machine's torch
+  (``scripts/gpu_validate_deps.py``); without a wheelhouse the DeepSpeed parts are skipped
+  and ``stacks.json`` says why.
+- ``compile``: FSDP2 with each decoder layer compiled before ``fully_shard``, as torchtitan
+  does (Inductor; ``aot_eager`` in the dry run): ``tests/repo/cases_device_compile.py``'s
+  parity cases and the report with ``--compile-layers`` (``report/fsdp2-compile/``), modes
+  ``COMPILE_MODES``.
 - ``bench``: ``scripts/bench_probe.py`` and ``scripts/bench_saved_tensor_check.py``
   (FSDP2 and FSDP1) on the same model, dtype and batch.
 - ``summary``: ``summary.md`` (the headline table the README quotes, the
@@ -58,8 +70,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests/ and fsdp_retain/ of this checkout; scripts/ is sys.path[0]
 
-STAGES = ("env", "parity", "report", "bench", "summary")
-REPORT_MODES = ("two_forward", "keep:every", "regather:every", "probe:every")
+STAGES = ("env", "parity", "report", "stacks", "compile", "bench", "summary")
+REPORT_MODES = ("two_forward", "keep:every", "regather:every", "probe:every", "one_backward",
+                "one_pass:every")
+STACK_MODES = ("two_forward", "keep:every", "probe:every", "one_backward", "one_pass:every")
+COMPILE_MODES = ("two_forward", "keep:every", "one_backward", "one_pass:every")
 EXIT_BUDGET = 3  # stopped before a part that would not fit in --budget-min: run again
 _START = time.monotonic()
 
@@ -83,6 +98,7 @@ class Plan:
     steps: int
     bench_warmup: int
     bench_steps: int
+    wheelhouse: Path  # where the stacks stage finds deepspeed's wheels, if it must install
     # Estimated seconds per part on one H100 (a part starts only if it fits the budget).
     estimates: dict[str, float]
 
@@ -90,13 +106,16 @@ class Plan:
     def make(cls, args) -> Plan:
         if args.dry_run:
             return cls(True, "cpu", args.nproc or 2, "tiny", "bf16", (2,), 64, 1, 2, 1, 10,
-                       estimates={})
+                       args.wheelhouse, estimates={})
         import torch
 
         world = args.nproc or torch.cuda.device_count()
         batches = (args.batch,) + tuple(b for b in (6, 4, 2, 1) if b < args.batch)
         return cls(False, "cuda", world, "1.5b", "bf16", batches, 2048, 3, 10, 3, 10,
-                   estimates=dict(parity=120, report=240, bench_probe=150, bench_check=120))
+                   args.wheelhouse,
+                   estimates=dict(parity=120, report=240, bench_probe=150, bench_check=120,
+                                  stacks_parity=90, stack_report=200, compile_parity=90,
+                                  compile_report=300))
 
 
 # ----------------------------------------------------------------------------- running
@@ -238,12 +257,14 @@ def stage_parity(folder: Folder, plan: Plan) -> bool:
     return failed == 0
 
 
-def _report_argv(plan: Plan, backend: str, batch: int, out: Path) -> list[str]:
-    return [sys.executable, "-m", "fsdp_retain.report", "--device", plan.device,
+def _report_argv(plan: Plan, backend: str, batch: int, out: Path, *,
+                 modes: tuple[str, ...] = REPORT_MODES, python: str = sys.executable,
+                 extra: tuple[str, ...] = ()) -> list[str]:
+    return [python, "-m", "fsdp_retain.report", "--device", plan.device,
             "--nproc", str(plan.world), "--dtype", plan.dtype, "--size", plan.size,
             "--batch", str(batch), "--seq-len", str(plan.seq_len), "--backend", backend,
-            "--modes", *REPORT_MODES, "--warmup", str(plan.warmup), "--steps", str(plan.steps),
-            "--out", str(out)]
+            "--modes", *modes, "--warmup", str(plan.warmup), "--steps", str(plan.steps),
+            *extra, "--out", str(out)]
 
 
 ALLOC_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -298,6 +319,88 @@ def stage_report(folder: Folder, plan: Plan) -> bool:
             ok = False
         else:
             ok &= all(r["ok"] for r in report["rows"])
+    return ok
+
+
+def _cases(folder: Folder, plan: Plan, stage: str, module: str, name: str,
+           python: str) -> bool:
+    """One launch of ``module``'s cases in ``python`` (``scripts/gpu_validate_cases.py``),
+    into ``name`` (a JSON file of the folder)."""
+    if folder.done(name):
+        return folder.read_json(name)["failed"] == 0
+    if not folder.fits(plan.estimates.get(f"{stage}_parity", 0), f"the {stage} cases"):
+        raise BudgetSpent
+    backend = "nccl" if plan.device == "cuda" else "gloo"
+    out = folder.path / name
+    code, _ = folder.run(stage, [python, "scripts/gpu_validate_cases.py", module,
+                                 str(plan.world), backend, str(out), str(folder.left())],
+                         f"{Path(name).stem}.log")
+    result = folder.read_json(name)
+    if result is None:
+        say(f"{stage}: {module} FAILED (exit {code}; see logs/)")
+        return False
+    for case, entry in result["cases"].items():
+        state = "skip" if entry["skipped"] else "ok  " if entry["ok"] else "FAIL"
+        say(f"  {state} {case} ({entry['seconds']} s)")
+    say(f"{stage}: {result['passed']} passed, {result['skipped']} skipped, "
+        f"{result['failed']} failed")
+    return result["failed"] == 0
+
+
+def _one_report(folder: Folder, plan: Plan, stage: str, backend: str, folder_name: str,
+                modes: tuple[str, ...], python: str, extra: tuple[str, ...] = ()) -> bool:
+    """A report run beyond the ``report`` stage's, at the batch the ``report`` stage fitted
+    (halved on out of memory)."""
+    name = f"report/{folder_name}/report.json"
+    if folder.done(name):
+        return all(r["ok"] for r in folder.read_json(name)["rows"])
+    batch = _bench_batch(folder, plan)
+    while True:
+        if not folder.fits(plan.estimates.get(f"{stage}_report", 0), f"the {folder_name} report"):
+            raise BudgetSpent
+        out = folder.path / "report" / folder_name
+        say(f"{stage}: {folder_name} report, batch {batch} x {plan.seq_len} per rank")
+        code, output = folder.run(stage, _report_argv(plan, backend, batch, out, modes=modes,
+                                                      python=python, extra=extra),
+                                  f"report_{folder_name}_batch{batch}.log",
+                                  env=ALLOC_ENV if plan.device == "cuda" else None)
+        report = folder.read_json(name) if code == 0 else None
+        if report_oom(report, output) and batch > 1:
+            (out / "report.json").unlink(missing_ok=True)
+            batch //= 2
+            say(f"{stage}: {folder_name} ran out of memory; trying batch {batch}")
+            continue
+        if report is None:
+            say(f"{stage}: {folder_name} report FAILED (exit {code}; see logs/)")
+            return False
+        return all(r["ok"] for r in report["rows"])
+
+
+def stage_stacks(folder: Folder, plan: Plan) -> bool:
+    from gpu_validate_deps import deepspeed_python
+
+    note = folder.read_json("stacks.json") or {}
+    if "deepspeed_python" not in note:
+        python, why = deepspeed_python(say, plan.wheelhouse)
+        note = dict(deepspeed_python=python, deepspeed=why)
+        folder.write_json("stacks.json", note)
+    say(f"stacks: {note['deepspeed']}")
+    ds_python = note["deepspeed_python"]
+    ok = _cases(folder, plan, "stacks", "tests.repo.cases_device_stacks",
+                "stacks_parity.json", ds_python or sys.executable)
+    ok &= _one_report(folder, plan, "stack", "ddp", "ddp", STACK_MODES, sys.executable)
+    if ds_python is not None:
+        ok &= _one_report(folder, plan, "stack", "deepspeed", "deepspeed", STACK_MODES,
+                          ds_python)
+    return ok
+
+
+def stage_compile(folder: Folder, plan: Plan) -> bool:
+    ok = _cases(folder, plan, "compile", "tests.repo.cases_device_compile",
+                "compile_parity.json", sys.executable)
+    backend = "inductor" if plan.device == "cuda" else "aot_eager"
+    ok &= _one_report(folder, plan, "compile", "fsdp2", "fsdp2-compile", COMPILE_MODES,
+                      sys.executable, extra=("--compile-layers", backend))
     return ok
 
 
@@ -361,7 +464,8 @@ class BudgetSpent(Exception):
 
 
 STAGE_FUNCTIONS = dict(env=stage_env, parity=stage_parity, report=stage_report,
-                       bench=stage_bench, summary=stage_summary)
+                       stacks=stage_stacks, compile=stage_compile, bench=stage_bench,
+                       summary=stage_summary)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -403,6 +507,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="minutes this call may take; a part that would not fit waits for "
                              "the next call")
     parser.add_argument("--force", action="store_true", help="redo parts already in --out")
+    parser.add_argument("--wheelhouse", type=Path, default=ROOT / "wheelhouse",
+                        help="deepspeed's wheels (scripts/gpu_wheelhouse.sh), installed into a "
+                             "throwaway venv where deepspeed is missing (default: wheelhouse/)")
     args = parser.parse_args(argv)
     if "all" in args.stage:
         args.stage = list(STAGES)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-BACKENDS = ("fsdp2", "fsdp1")
+# report/<folder>/: the report stage's backends, then the stacks and compile stages' runs.
+BACKENDS = ("fsdp2", "fsdp1", "ddp", "deepspeed", "fsdp2-compile")
 HEADLINE = ("backend", "mode", "step (ms)", "vs two_forward", "peak ({unit})",
             "peak vs two_forward", "all-gathers / step", "reduce-scatters / step",
             "all-reduces / step")
@@ -35,6 +36,7 @@ def headline_rows(reports: dict[str, dict]) -> list[dict]:
                 reduce_scatters=r["reduce_scatters_per_step"],
                 all_reduces=r["all_reduces_per_step"],
                 share_of_ideal_saving=r.get("share_of_ideal_saving"),
+                one_pass_ratio=r.get("one_pass_ratio"),
             ))
     return rows
 
@@ -75,17 +77,30 @@ def _setup_line(reports: dict[str, dict], attempts: dict[str, list]) -> str:
             + (f" Fallback: {fallback}." if fallback else ""))
 
 
-def _parity_md(parity: dict | None) -> list[str]:
+def _parity_md(parity: dict | None, module: str = "tests/repo/cases_device.py") -> list[str]:
     if parity is None:
         return ["Not run."]
-    lines = [f"`tests/repo/cases_device.py` on {parity['world_size']} {parity['device']} rank(s) "
+    skipped = f", {parity['skipped']} skipped" if parity.get("skipped") else ""
+    where = parity.get("device", f"{parity['process_group']}")
+    lines = [f"`{module}` on {parity['world_size']} {where} rank(s) "
              f"({parity['process_group']}): **{parity['passed']} passed, {parity['failed']} "
-             f"failed** in {parity['seconds']} s."]
+             f"failed**{skipped} in {parity['seconds']} s."]
     for name, case in parity["cases"].items():
-        if not case["ok"]:
+        if case.get("skipped"):
+            lines.append(f"- skipped `{name}`: {case['skipped']}")
+        elif not case["ok"]:
             last = (case["error"] or "").strip().splitlines()[-1:] or [""]
             lines.append(f"- FAILED `{name}`: {last[0][:300]}")
     return lines
+
+
+def _one_pass_md(rows: list[dict]) -> list[str]:
+    ones = [r for r in rows if r.get("one_pass_ratio") is not None]
+    if not ones:
+        return ["Not run."]
+    return ["One backward of the two losses' sum in the block (`one_pass:every`) against the "
+            "same step without the library (`one_backward`), same run: "
+            + ", ".join(f"{r['backend']} {r['one_pass_ratio']:.3f}x" for r in ones) + "."]
 
 
 def _bench_md(folder: Path) -> list[str]:
@@ -156,15 +171,30 @@ def write_summary(folder: Path, *, dry_run: bool) -> Path:
                "Every figure per backend is in `report/<backend>/report.md` and `report.json`."]
     else:
         md.append("The report stage has not run.")
+    md += ["", "## One pass in the block", ""] + _one_pass_md(rows)
     md += ["", "## Parity (tests/repo/cases_device.py)", ""] + _parity_md(parity)
+    stacks = _read(folder / "stacks.json")
+    stacks_parity = _read(folder / "stacks_parity.json")
+    compile_parity = _read(folder / "compile_parity.json")
+    md += ["", "## DDP and DeepSpeed (stage stacks)", ""]
+    if stacks is not None:
+        md += [f"DeepSpeed: {stacks['deepspeed']}.", ""]
+    md += _parity_md(stacks_parity, "tests/repo/cases_device_stacks.py")
+    md += ["", "## FSDP2 with compiled decoder layers (stage compile)", ""]
+    md += _parity_md(compile_parity, "tests/repo/cases_device_compile.py")
     md += ["", "## Benchmarks", ""] + _bench_md(folder)
     md += ["", "## Machine and versions", ""] + _env_md(env)
     md += ["", "## Commands", "", "What each stage ran, from the repository root "
            "(`logs/` has their output):", "", "```bash"]
     md += [f"# {c['stage']}\n{c['command']}" for c in commands] + ["```", ""]
     (folder / "summary.md").write_text("\n".join(md))
+    counts = lambda p: None if p is None else {k: p.get(k, 0) for k in ("passed", "failed", "skipped")}  # noqa: E731
     summary = dict(dry_run=dry_run, env=env, headline=rows,
                    parity=None if parity is None else {k: parity[k] for k in ("passed", "failed")},
+                   stacks_parity=counts(stacks_parity), compile_parity=counts(compile_parity),
+                   deepspeed=None if stacks is None else stacks["deepspeed"],
+                   one_pass={r["backend"]: r["one_pass_ratio"] for r in rows
+                             if r.get("one_pass_ratio") is not None},
                    commands=[c["command"] for c in commands])
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return folder / "summary.md"

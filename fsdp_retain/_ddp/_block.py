@@ -22,7 +22,7 @@ gradients] in ``_buckets.py``):
   Under Lightning's ``DDPStrategy`` DDP's forward runs around the block, so its first
   iteration is the run's first step even in a block: there the block leaves the sync
   on for the first ``manual_backward`` (see [Note: Lightning's DDPStrategy around the
-  block] in ``fsdp_retain/integrations/lightning.py``).
+  block] in ``_lightning.py``).
 - Probe passes differentiate against the inputs of every module with parameters
   of its own ([Note: probe passes] in ``_common.py``): no parameter gradient.
 - Backward passes nested in a pass (a tiled MLP's tiles) accumulate into ``.grad`` with
@@ -47,8 +47,8 @@ from .._nested import GradStashSpan, Span, kernel_holds
 from .._grad_layout import per_param_layout
 from .._policy import RetainOptions
 from .._probe import keep_probe_hooks
-from ..integrations.lightning import static_graph_unlearned
 from ._buckets import FLAVOUR, Buckets
+from ._lightning import static_graph_unlearned
 from ._wrappers import DDPModel, ddp_model, fully_sharded_inside
 
 _MIXED_PRECISION = (
@@ -108,8 +108,7 @@ class DDPBlock(BlockBase):
             raise ValueError(_MIXED_PRECISION)
         self._buckets = Buckets.for_ddp(ddp)
         self._syncs = self._wrapped.syncs()
-        # See [Note: Lightning's DDPStrategy around the block] in
-        # fsdp_retain/integrations/lightning.py.
+        # See [Note: Lightning's DDPStrategy around the block] in _lightning.py.
         self._graph_unlearned = static_graph_unlearned(ddp)
         if self._graph_unlearned:
             # Lightning's pre_backward sets it where it arms the reducer (before_backward).

@@ -74,6 +74,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         "all-reduces per step are counted per bucket")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="non-reentrant activation checkpointing on every decoder layer")
+    parser.add_argument("--compile-layers", nargs="?", const="inductor", default=None,
+                        metavar="BACKEND",
+                        help="torch.compile each decoder layer (with BACKEND, default "
+                        "inductor) before fully_shard, as torchtitan does (--backend fsdp2); "
+                        "the library needs torch._functorch.config.donated_buffer = False, "
+                        "which the report sets")
     parser.add_argument("--gpu-memory", nargs="+", default=[], metavar="SIZE",
                         help="e.g. 80GiB 141GiB: also print the largest keep_unsharded budget among "
                         "the modes run (regather, keep25/50/75, keep) whose peak fits")
@@ -126,6 +132,7 @@ def _make_config(args: argparse.Namespace, command: str) -> ReportConfig:
         timeout=args.timeout,
         command=command,
         activation_checkpointing=args.activation_checkpointing,
+        compile_layers=args.compile_layers,
         gpu_memory=tuple(parse_bytes(size) for size in args.gpu_memory),
         node_size=args.node_size,
         ddp_bucket_cap_mb=args.ddp_bucket_cap_mb,

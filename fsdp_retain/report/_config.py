@@ -78,6 +78,9 @@ class ReportConfig:
     timeout: float = 1800.0
     command: str = ""
     activation_checkpointing: bool = False  # non-reentrant, on every decoder layer
+    # torch.compile each decoder layer with this backend before fully_shard, as torchtitan
+    # does (FSDP2 only; None: eager).
+    compile_layers: str | None = None
     gpu_memory: tuple[int, ...] = ()  # bytes per rank: print the largest budget that fits
     # Ranks per node: regather_node's reshard_to, and which all-gathers leave a node.
     node_size: int | None = None
@@ -102,6 +105,10 @@ class ReportConfig:
             raise ValueError("modes must include two_forward: savings and overheads are against it")
         self.modes = tuple(labels)
         self.check_node_size(self.simulate_world_size or self.nproc)
+        if self.compile_layers and (set(self.backends) != {"fsdp2"} or self.simulate_world_size):
+            raise ValueError("--compile-layers compiles each decoder layer before fully_shard, "
+                             "as torchtitan does: run it with --backend fsdp2 alone, on real "
+                             "ranks (no --simulate-world-size)")
         self.check_fsdp1_sharding()
         if self.ddp_bucket_cap_mb is not None and not self.ddp_bucket_cap_mb > 0:
             raise ValueError(f"--ddp-bucket-cap-mb must be > 0 (MiB), got {self.ddp_bucket_cap_mb}")

@@ -119,11 +119,14 @@ def device_mesh(cfg: ReportConfig, backend: str, device_type: str, world: int):
     return None
 
 
-def wrap(model, backend: str, device, mesh=None, *, bucket_cap_mb: float | None = None):
+def wrap(model, backend: str, device, mesh=None, *, bucket_cap_mb: float | None = None,
+         compile_layers: str | None = None):
     """Shards each decoder layer, then the root, with ``backend``'s defaults (``ddp``:
     the whole model in one ``DistributedDataParallel``, nothing sharded, its buckets of
     ``bucket_cap_mb``; ``None``: DDP's default); FSDP1 with a 2-D ``mesh`` (``device_mesh``)
-    uses ``HYBRID_SHARD`` over it."""
+    uses ``HYBRID_SHARD`` over it. ``compile_layers`` (FSDP2): each decoder layer is
+    compiled in place with that backend before ``fully_shard``, as torchtitan does; two
+    passes over a compiled forward need ``donated_buffer`` off (docs/guide.md, torch.compile)."""
     if backend == "ddp":
         from ._ddp import wrap as ddp_wrap
 
@@ -132,7 +135,13 @@ def wrap(model, backend: str, device, mesh=None, *, bucket_cap_mb: float | None 
     if backend == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
+        if compile_layers:
+            import torch._functorch.config
+
+            torch._functorch.config.donated_buffer = False
         for layer in layers:
+            if compile_layers:
+                layer.compile(backend=compile_layers)
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model

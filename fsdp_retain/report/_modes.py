@@ -101,6 +101,9 @@ class ModeSpec:
     ``not_applicable``: backend -> why the mode means nothing there (on DDP, which
     shards nothing, the modes that differ from ``keep`` only in ``keep_unsharded`` or
     ``reshard_to``): its row is not run and records the reason as expected.
+    ``passes``: backward passes over the forward (1: one backward of the two losses'
+    sum, what a step that needs no second pass runs; ``one_pass`` against
+    ``one_backward`` is the block's own cost there, ``add_one_pass_comparisons``).
     """
 
     name: str
@@ -117,6 +120,7 @@ class ModeSpec:
     fsdp2_only: bool = False
     node_groups: bool = False
     not_applicable: dict[str, str] = dataclasses.field(default_factory=dict)
+    passes: int = BACKWARDS
 
     def __post_init__(self) -> None:
         crashes = {**self.not_applicable, **self.expected_crash}
@@ -163,6 +167,12 @@ MODES: dict[str, ModeSpec] = {
                             "disagree (the replica check fails); the error the library "
                             "removes, not an alternative",
                  }),
+        ModeSpec("one_backward", "one forward, one backward of the two losses' sum (no "
+                 "library): a step that needs no second pass", passes=1),
+        ModeSpec("one_pass", "the library, keep_unsharded=True, one backward of the two "
+                 "losses' sum: the block around a step that needs no second pass",
+                 block=dict(keep_unsharded=True), sync_grads=("every",), bound=_keep_bound,
+                 passes=1, short_what="one pass in the block"),
         ModeSpec("keep", "the library, keep_unsharded=True",
                  block=dict(keep_unsharded=True), sync_grads=("every", "last"),
                  bound=_keep_bound),
@@ -257,6 +267,8 @@ def mode_legend(label: str, *, short: bool = False, node_size: int | None = None
     if mode.spec.probe:
         text += ("; backward 1 a probe pass" if short
                  else "; backward 1 is a probe pass, block.backward(loss, param_grads=False)")
+    if mode.spec.passes == 1:
+        text += "; one backward of the two losses' sum"
     return text
 
 
@@ -275,6 +287,8 @@ OPTION_TEXTS: dict[str, str] = {
     **{f"keep{pct}:every": f"keep_unsharded=<{pct}% of the bytes>" for pct in (25, 50, 75)},
     "fsdp2_recipe:every": "FSDP2 alone, its recipe (pytorch #172543; no library)",
     "fsdp2_recipe:last": "FSDP2 alone, its recipe, gradient sync off for backward 1",
+    "one_backward": "one backward of the sum (no library)",
+    "one_pass:every": "one backward of the sum, in the block",
 }
 
 
@@ -343,7 +357,8 @@ class Mode:
         """Keyword arguments of ``no_reshard_between_backwards`` for this mode
         (budget modes need the model's unsharded parameter bytes)."""
         assert self.spec.block is not None, self
-        options = {**self.spec.block, "sync_grads": self.sync_grads, "backwards": BACKWARDS}
+        options = {**self.spec.block, "sync_grads": self.sync_grads,
+                   "backwards": self.spec.passes}
         if self.budget_bytes is not None:
             options["keep_unsharded"] = self.budget_bytes
         elif self.spec.budget is not None:

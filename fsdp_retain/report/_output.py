@@ -244,6 +244,15 @@ def _check_lines(rows: list[ReportRow]) -> list[str]:
             + ", ".join(f"{r.backend} {r.check_cost_ratio:.2f}x" for r in checks) + "."]
 
 
+def _one_pass_lines(rows: list[ReportRow]) -> list[str]:
+    ones = [r for r in rows if r.one_pass_ratio is not None]
+    if not ones:
+        return []
+    return ["One backward in the block against the same step without the library (the "
+            "`one_pass` row over the `one_backward` row, same run): "
+            + ", ".join(f"{r.backend} {r.one_pass_ratio:.3f}x" for r in ones) + "."]
+
+
 def _recipe_lines(rows: list[ReportRow]) -> list[str]:
     recipes = [r for r in rows if r.library_time_ratios]
     if not recipes:

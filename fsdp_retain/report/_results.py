@@ -40,7 +40,7 @@ def merge_ranks(cfg: ReportConfig, backend: str, per_rank: list[dict], meta: dic
                 if mode.uses_library else None
             ),
             reshard_to=mode.reshard_to,
-            backwards=BACKWARDS if mode.uses_library else None,
+            backwards=mode.spec.passes if mode.uses_library else None,
             ok=error is None,
             error=error,
             expected_error=(expected if error is not None and not error.startswith("setup:")
@@ -164,6 +164,19 @@ def add_check_comparisons(rows: list[ReportRow]) -> None:
             row.check_cost_ratio = row.step_time_s / keep.step_time_s
 
 
+def add_one_pass_comparisons(rows: list[ReportRow]) -> None:
+    """``one_pass`` rows: step time against the ``one_backward`` row of the same backend
+    and run (the same step without the library)."""
+    for row in rows:
+        if row.mode != "one_pass":
+            continue
+        row.one_pass_ratio = None
+        plain = next((r for r in rows if r.mode == "one_backward" and r.backend == row.backend
+                      and r.world_size == row.world_size and r.ok), None)
+        if plain is not None and row.step_time_s and plain.step_time_s:
+            row.one_pass_ratio = row.step_time_s / plain.step_time_s
+
+
 def add_recipe_comparisons(rows: list[ReportRow]) -> None:
     """``fsdp2_recipe`` rows: the step time of each library row of one forward per step
     with the same sync_grads (``last``: against the recipe with gradient sync off for
@@ -246,6 +259,7 @@ def config_dict(cfg: ReportConfig, world: int, meta: dict, device) -> dict[str, 
         "unit_bytes": meta.get("unit_bytes"),
         **({"ddp": ddp_setup(cfg.ddp_bucket_cap_mb)} if "ddp" in cfg.backends else {}),
         "activation_checkpointing": cfg.activation_checkpointing,
+        **({"compile_layers": cfg.compile_layers} if cfg.compile_layers else {}),
         "backwards_per_step": BACKWARDS,
         "warmup_steps": cfg.warmup,
         "timed_steps": 0 if cfg.simulate_world_size else cfg.steps,
@@ -263,6 +277,7 @@ def finish(cfg: ReportConfig, rows: list[ReportRow], meta: dict, world: int, dev
     add_comparisons(rows, meta.get("unsharded_param_bytes") or 0)
     add_probe_comparisons(rows)
     add_check_comparisons(rows)
+    add_one_pass_comparisons(rows)
     add_recipe_comparisons(rows)
     report = Report(config_dict(cfg, world, meta, device), rows)
     paths = write_report(report, Path(cfg.out))

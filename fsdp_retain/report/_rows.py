@@ -82,6 +82,9 @@ class ReportRow:
     projected_h200_step_ratio: float | None = _only("probe")
     # Step time against keep's (``add_check_comparisons``).
     check_cost_ratio: float | None = _only("check")
+    # Step time against one_backward's: the block's own cost for one pass
+    # (``add_one_pass_comparisons``).
+    one_pass_ratio: float | None = _only("one_pass")
     # Label -> step time of each library row of one forward with this row's sync_grads,
     # over this row's: the block's own cost over FSDP2 alone (``add_recipe_comparisons``).
     library_time_ratios: dict[str, float] | None = _only("fsdp2_recipe")

@@ -106,7 +106,8 @@ class BackendRun(StepMeasures):
         if mesh is None:
             mesh = device_mesh(self.cfg, self.backend, self.device.type, self.world)
         self.model = wrap(model, self.backend, self.device, mesh,
-                          bucket_cap_mb=self.cfg.ddp_bucket_cap_mb)
+                          bucket_cap_mb=self.cfg.ddp_bucket_cap_mb,
+                          compile_layers=self.cfg.compile_layers)
         if self.backend != "ddp":  # DDP's buckets are counted after a step (``count``)
             self.meta["fsdp_units"] = fsdp_units(self.model, self.backend)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-5)

@@ -66,8 +66,8 @@ def train_step(
 
 def _one_forward(model, batch, mode: Mode, hooks: StepHooks,
                  unsharded_bytes: int | None) -> None:
-    """One forward and ``BACKWARDS`` backward passes over it, in a block if ``mode``
-    uses the library."""
+    """One forward and ``mode.spec.passes`` backward passes over it (one: of the two
+    losses' sum), in a block if ``mode`` uses the library."""
     from .. import no_reshard_between_backwards
 
     ids, advantages = batch
@@ -78,6 +78,9 @@ def _one_forward(model, batch, mode: Mode, hooks: StepHooks,
     )
     with hooks.segment(), block as blk:
         logp = token_logprobs(model, ids)
+        if mode.spec.passes == 1:
+            (logprob_loss(logp) + policy_loss(logp, advantages)).backward()
+            return
         hooks.mark("backward1_start")
         if mode.spec.probe:
             assert blk is not None, mode

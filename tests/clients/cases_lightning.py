@@ -18,7 +18,7 @@ against the formulas in ``_all_reduces``. What was measured:
 - Trainer, ``DDPStrategy(static_graph=True)``: the block from the first step is right, in
   every step and mixed with plain steps (DDP learns its static graph from the first
   ``manual_backward``, which Lightning arms and flushes: [Note: Lightning's DDPStrategy
-  around the block] in ``fsdp_retain/integrations/lightning.py``). Before that note
+  around the block] in ``fsdp_retain/_ddp/_lightning.py``). Before that note
   Lightning's flush failed on torch's internal assert in the first step. Plain is right.
 - Fabric, ``DDPStrategy`` (also ``static_graph``, ``find_unused_parameters``): the block
   with the module ``fabric.setup`` returned is right; plain is silently wrong (DDP reduces

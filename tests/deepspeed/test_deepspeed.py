@@ -137,3 +137,28 @@ def test_hf_trainer_deepspeed_plain(stage):
         assert _number(r"PARITY max_diff=(\S+)", proc.stdout) > 1e-4
     else:
         assert "size of tensor a (0)" in out and "agreement" not in proc.stdout, out[-4000:]
+
+
+def test_gpu_kit_stacks_stage_with_deepspeed(tmp_path):
+    """The GPU kit's stacks stage where deepspeed is installed (the default venv's dry run,
+    tests/repo/test_gpu_validate.py, has none): a dry run on one CPU rank runs the DDP and
+    ZeRO-2/3 parity cases of tests/repo/cases_device_stacks.py and the report's ddp and
+    deepspeed runs, each with its one_pass row against one_backward."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.harness import ROOT, timeout_scale
+
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_validate.sh"), "--dry-run", "--nproc", "1",
+         "--out", str(out), "--stage", "stacks", "summary"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600 * timeout_scale(),
+        env=dict(__import__("os").environ, PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    parity = json.loads((out / "stacks_parity.json").read_text())
+    assert parity["failed"] == parity["skipped"] == 0 and parity["passed"] == 6, parity
+    assert json.loads((out / "stacks.json").read_text())["deepspeed"].startswith("deepspeed was")
+    one_pass = json.loads((out / "summary.json").read_text())["one_pass"]
+    assert set(one_pass) == {"ddp", "deepspeed"}, one_pass

@@ -3,9 +3,12 @@ validation kit keeps working while no GPU is at hand.
 
 One rank (``--nproc 1``): the common GPU case (one GPU: FSDP2 over a mesh of
 one rank, FSDP1 ``NO_SHARD``, the report in-process), and the fastest here.
-Every stage runs (env, parity, report, bench, summary) into a temporary
+Every stage runs (env, parity, report, stacks, compile, bench, summary) into a temporary
 folder; the test checks the files, the parity results and the headline table
-of ``summary.md``, then that a second call skips the finished parts.
+of ``summary.md``, then that a second call skips the finished parts. Without deepspeed
+(the default venv) and without ``wheelhouse/``, the stacks stage runs DDP and says why the
+DeepSpeed parts did not run; ``tests/deepspeed/test_deepspeed.py`` runs that stage where
+deepspeed is installed.
 """
 
 from __future__ import annotations
@@ -21,12 +24,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.repo import cases_device
+from tests.repo import cases_device, cases_device_compile, cases_device_stacks
 from tests.support.harness import timeout_scale
 
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "scripts" / "gpu_validate.sh"
-MODES = ("two_forward", "keep:every", "regather:every", "probe:every")
+MODES = ("two_forward", "keep:every", "regather:every", "probe:every", "one_backward",
+         "one_pass:every")
+# The stacks and compile stages' report runs: report/<folder>/, their modes.
+EXTRA_REPORTS = {"ddp": ("two_forward", "keep:every", "probe:every", "one_backward",
+                         "one_pass:every"),
+                 "fsdp2-compile": ("two_forward", "keep:every", "one_backward",
+                                   "one_pass:every")}
+STAGES = ("env", "parity", "report", "stacks", "compile", "bench", "summary")
 
 
 def _kit(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -39,14 +49,15 @@ def _kit(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_validate") / "results"
     start = time.monotonic()
-    proc = _kit("--dry-run", "--nproc", "1", "--out", str(out))
+    # No wheelhouse: where deepspeed is missing, the stacks stage says how to get it.
+    proc = _kit("--dry-run", "--nproc", "1", "--out", str(out), "--wheelhouse", str(out / "none"))
     return proc, out, time.monotonic() - start
 
 
 def test_dry_run_exits_zero(dry_run):
     proc, _, seconds = dry_run
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    for stage in ("env", "parity", "report", "bench", "summary"):
+    for stage in STAGES:
         assert f"== stage {stage}: ok" in proc.stdout, stage
     print(f"dry run: {seconds:.0f} s")
 
@@ -58,7 +69,8 @@ def test_dry_run_writes_every_file(dry_run):
                  "report/fsdp1/report.json", "report/fsdp1/report.md",
                  "report/fsdp2/attempts.json", "bench/bench_probe.json",
                  "bench/saved_tensor_check_fsdp2.json", "bench/saved_tensor_check_fsdp1.json",
-                 "logs/parity.log"):
+                 "logs/parity.log", "stacks.json", "stacks_parity.json", "compile_parity.json",
+                 "report/ddp/report.json", "report/fsdp2-compile/report.json"):
         assert (out / name).is_file(), name
     env = json.loads((out / "env.json").read_text())
     assert env["problems"] == [], env["problems"]
@@ -73,13 +85,40 @@ def test_parity_cases_all_pass(dry_run):
     assert parity["passed"] == len(cases_device.registry.names(1))
 
 
+def test_stacks_and_compile_cases(dry_run):
+    """DDP and the compiled FSDP2 blocks pass; without deepspeed the ZeRO cases are skipped,
+    saying how the kit gets it, and so does summary.md."""
+    _, out, _ = dry_run
+    stacks = json.loads((out / "stacks_parity.json").read_text())
+    ran = {n: c for n, c in stacks["cases"].items() if c["skipped"] is None}
+    assert set(ran) == {n for n in cases_device_stacks.registry.names(1) if n.startswith("ddp")}
+    assert all(c["ok"] for c in ran.values()), ran
+    assert all("wheelhouse" in c["skipped"] for n, c in stacks["cases"].items() if n not in ran)
+    assert "wheelhouse" in json.loads((out / "stacks.json").read_text())["deepspeed"]
+    compiled = json.loads((out / "compile_parity.json").read_text())
+    assert compiled["passed"] == len(cases_device_compile.registry.names(1)), compiled
+    text = (out / "summary.md").read_text()
+    assert "## DDP and DeepSpeed (stage stacks)" in text and "scripts/gpu_wheelhouse.sh" in text
+
+
+def test_one_pass_against_one_backward(dry_run):
+    """Every report run has the one_pass row's ratio against its one_backward row, and the
+    summary lists them."""
+    _, out, _ = dry_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["one_pass"]) == {"fsdp2", "fsdp1", *EXTRA_REPORTS}, summary["one_pass"]
+    assert all(0 < ratio < 10 for ratio in summary["one_pass"].values()), summary["one_pass"]
+    assert "## One pass in the block" in (out / "summary.md").read_text()
+
+
 def test_summary_headline_table_has_numbers(dry_run):
     _, out, _ = dry_run
     text = (out / "summary.md").read_text()
     assert "DRY RUN" in text
     number = r"-?\d+(\.\d+)?"
-    for backend in ("fsdp2", "fsdp1"):
-        for mode in MODES:
+    runs = {"fsdp2": MODES, "fsdp1": MODES, **EXTRA_REPORTS}
+    for backend, modes in runs.items():
+        for mode in modes:
             line = next((row for row in text.splitlines() if row.startswith(f"| {backend} | `{mode}` |")),
                         None)
             assert line is not None, (backend, mode, text)
@@ -91,7 +130,7 @@ def test_summary_headline_table_has_numbers(dry_run):
             assert all(re.fullmatch(r"\d+", c) for c in cells[4:]), line  # collectives
     assert "python -m fsdp_retain.report" in text and "scripts/bench_probe.py" in text
     summary = json.loads((out / "summary.json").read_text())
-    assert len(summary["headline"]) == 2 * len(MODES)
+    assert len(summary["headline"]) == sum(len(modes) for modes in runs.values())
 
 
 def test_second_call_skips_finished_parts(dry_run):
