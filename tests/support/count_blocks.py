@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import runpy
 import sys
 
 
@@ -58,10 +57,11 @@ def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
     _install()
-    script = sys.argv[1]
-    sys.argv = sys.argv[1:]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    # Without the interpreter's teardown, where gloo sometimes aborts: see run_example.py.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from run_example import run
+
+    run(sys.argv[1], sys.argv[2:])
 
 
 if __name__ == "__main__":
