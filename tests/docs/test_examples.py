@@ -2,7 +2,9 @@
 
 Each example asserts its own agreement check and exits non-zero on disagreement;
 these tests run them as subprocesses (``torchrun`` / ``accelerate launch``) and
-check the exit code and the printed figures. ``CUDA_VISIBLE_DEVICES`` is empty,
+check the exit code and the printed figures. The runs that pass and need only torch
+and this library share one 2-rank launch (``batched``; tests/support/examples.py): each
+run's output, exit status and arguments are what it would have had alone. ``CUDA_VISIBLE_DEVICES`` is empty,
 so they take the CPU path on any machine. They run through
 ``tests/support/count_blocks.py``, which prints the collectives of every
 ``no_reshard_between_backwards`` block, checked against formulas below (under
@@ -65,104 +67,50 @@ all-gathers, so agreement alone would not show that the block did anything).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import re
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 
 import pytest
 import torch
 import torch.nn as nn
 
-from tests.support.harness import (
-    ROOT, recorded_launch, run_retrying_exit_abort, timeout_scale,
-)
+from tests.support.examples import COUNT_BLOCKS, EXAMPLES, TIMEOUT, ExampleBatch, ExampleRun
+from tests.support.examples import example_env as _env  # noqa: F401 (the client tests')
+from tests.support.examples import free_port as _free_port
+from tests.support.examples import run as _run
+from tests.support.examples import torchrun as _torchrun
+from tests.support.harness import ROOT, recorded_launch, run_retrying_exit_abort
 
-EXAMPLES = ROOT / "examples"
-COUNT_BLOCKS = str(ROOT / "tests" / "support" / "count_blocks.py")
 CPU_FSDP = str(ROOT / "examples" / "accelerate_cpu_fsdp.py")
-RUN_EXAMPLE = str(ROOT / "tests" / "support" / "run_example.py")
-TIMEOUT = 300 * timeout_scale()
+
+# A test whose run passes and needs only torch and this library names it here (its
+# function's name -> the run, from the test's parameters): the batch of the selected
+# tests' runs starts once, on 2 ranks, at the first of them (tests/support/examples.py).
+BATCHED: dict[str, object] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def batched(plan):
+    """Registers ``plan`` (the test's parameters -> its ``ExampleRun``) for the batch."""
+    def register(test):
+        BATCHED[test.__name__] = plan
+        return test
+    return register
 
 
-def _env(env: dict[str, str] | None) -> dict[str, str]:
-    full_env = dict(os.environ)
-    full_env.update(
-        CUDA_VISIBLE_DEVICES="",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-    )
-    full_env.update(env or {})
-    return full_env
-
-
-def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return run_retrying_exit_abort(args, cwd=ROOT, env=_env(env), timeout=TIMEOUT)
-
-
-def _torchrun(script: str, *script_args: str, count_blocks: bool = True,
-              env: dict[str, str] | None = None, via_torchrun: bool = False):
-    """The example on 2 ranks: started as torchrun starts them (its environment
-    variables; a rank that fails stops the other), without torchrun's own process,
-    which costs ~2 s a launch; ``via_torchrun`` for the README's command itself."""
-    program = [str(EXAMPLES / script), *script_args]
-    with recorded_launch(f"example {script} {' '.join(script_args)}".rstrip(), 2):
-        if via_torchrun:  # the README's command as written: the retry covers gloo's abort
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-            cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-            return _run(cmd + ([COUNT_BLOCKS] if count_blocks else []) + program, env)
-        # Without the interpreter's teardown, where gloo sometimes aborts after the script
-        # passed (tests/support/run_example.py); count_blocks.py ends the same way.
-        return _spawn_ranks([sys.executable, COUNT_BLOCKS if count_blocks else RUN_EXAMPLE,
-                             *program], env)
-
-
-def _spawn_ranks(cmd: list[str], env: dict[str, str] | None,
-                 world_size: int = 2) -> subprocess.CompletedProcess:
-    """``cmd`` on ``world_size`` ranks; stdout and stderr are rank 0's then rank 1's."""
-    port = str(_free_port())
-    procs, outs = [], []
-    for rank in range(world_size):
-        rank_env = dict(env or {}, RANK=str(rank), LOCAL_RANK=str(rank),
-                        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        out = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        outs.append(out)
-        procs.append(_popen(cmd, rank_env, *out))
-    deadline = time.monotonic() + TIMEOUT
-    failed_at = None
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > 10:
-            break  # as torchrun does: a failed rank stops the others
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    texts = []
-    for out, err in outs:
-        out.seek(0)
-        err.seek(0)
-        texts.append((out.read(), err.read()))
-    code = next((p.returncode for p in procs if p.returncode != 0), 0)
-    return subprocess.CompletedProcess(cmd, code, "".join(t[0] for t in texts),
-                                       "".join(t[1] for t in texts))
-
-
-def _popen(cmd: list[str], env: dict[str, str], stdout, stderr) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=stdout, stderr=stderr, text=True)
+@pytest.fixture(scope="module")
+def example_batch(request) -> ExampleBatch:
+    runs = []
+    for item in request.session.items:
+        plan = BATCHED.get(getattr(item, "originalname", ""))
+        if plan is None or item.module is not sys.modules[__name__]:
+            continue
+        params = getattr(item, "callspec", None)
+        params = params.params if params is not None else {}
+        runs.append(plan(**{name: params[name] for name in inspect.signature(plan).parameters}))
+    return ExampleBatch(runs)
 
 
 def _accelerate(config: str, *script: str, env: dict[str, str] | None = None):
@@ -198,12 +146,21 @@ def _check_ok(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout
 
 
+QUICKSTART_STEPS = 6
+
+
+def _quickstart(fsdp):
+    return ExampleRun("quickstart.py", ("--fsdp", str(fsdp), "--steps", str(QUICKSTART_STEPS),
+                                        "--warmup", "1"))
+
+
 @pytest.mark.parametrize("fsdp", [2, 1])
-def test_quickstart(fsdp):
-    """quickstart.py --fsdp {2,1} (4 blocks + root), 2 CPU ranks: retain way == two-forward way."""
-    steps, units = 6, 4 + 1
-    args = ["--fsdp", str(fsdp), "--steps", str(steps), "--warmup", "1"]
-    out = _check_ok(_torchrun("quickstart.py", *args, via_torchrun=True))
+@batched(_quickstart)
+def test_quickstart(fsdp, example_batch):
+    """quickstart.py --fsdp {2,1} (4 blocks + root), 2 CPU ranks: retain way == two-forward way.
+    (The README's command itself, through torchrun: the next test.)"""
+    steps, units = QUICKSTART_STEPS, 4 + 1
+    out = _check_ok(example_batch.result(_quickstart(fsdp)))
     assert f"FSDP{fsdp}, 2 ranks, cpu" in out
     assert _number(r"max \|param difference\| vs two-forward: (\S+)", out) <= 1e-4
     assert _number(r"grad norm: (\S+)", out) <= 1e-4
@@ -242,12 +199,22 @@ def test_quickstart_first_screen_is_the_examples_own():
     assert lines and all(own.match(line) for line in lines), proc.stdout + proc.stderr
 
 
+MULTI_OBJECTIVE_STEPS = 4
+
+
+def _multi_objective(fsdp, method, shared):
+    args = ("--fsdp", str(fsdp), "--steps", str(MULTI_OBJECTIVE_STEPS), "--warmup", "1",
+            "--method", method)
+    return ExampleRun("multi_objective.py", args + (("--shared-only",) if shared else ()))
+
+
 @pytest.mark.parametrize(
     "fsdp, method, shared",
     [(2, "pcgrad", False), (1, "pcgrad", False), (2, "upgrad", False), (2, "upgrad", True),
      (1, "pcgrad", True)],
 )
-def test_multi_objective(fsdp, method, shared):
+@batched(_multi_objective)
+def test_multi_objective(fsdp, method, shared, example_batch):
     """multi_objective.py --fsdp {2,1} --method {pcgrad,upgrad} [--shared-only] (4 blocks
     + root, 3 tasks), 2 CPU ranks: one forward with block.grads per task == a forward per
     task; with --shared-only the method weighs the trunk's gradients and each head gets
@@ -255,9 +222,8 @@ def test_multi_objective(fsdp, method, shared):
     library against torchjd itself)."""
     if method == "upgrad":
         pytest.importorskip("torchjd", reason="the mtl extra (in the test extra)")
-    steps, units, tasks = 4, 4 + 1, 3
-    args = ["--fsdp", str(fsdp), "--steps", str(steps), "--warmup", "1", "--method", method]
-    out = _check_ok(_torchrun("multi_objective.py", *args, *(["--shared-only"] if shared else [])))
+    steps, units, tasks = MULTI_OBJECTIVE_STEPS, 4 + 1, 3
+    out = _check_ok(example_batch.result(_multi_objective(fsdp, method, shared)))
     assert f"FSDP{fsdp}, 2 ranks, cpu, {tasks} tasks" in out
     assert ("weighing the shared trunk only" in out) == shared, out
     assert _number(r"max \|param difference\| vs 3 forwards: (\S+)", out) <= 1e-4
@@ -459,13 +425,21 @@ def test_hf_trainer_ddp(library):
         assert "agreement: FAILED" in proc.stdout
 
 
+INFLUENCE_STEPS = 6
+
+
+def _influence_trace(fsdp):
+    return ExampleRun("influence_trace.py",
+                      ("--size", "tiny", "--fsdp", str(fsdp), "--steps", str(INFLUENCE_STEPS)))
+
+
 @pytest.mark.parametrize("fsdp", [2, 1])
-def test_influence_trace(fsdp):
+@batched(_influence_trace)
+def test_influence_trace(fsdp, example_batch):
     """influence_trace.py --size tiny (2 layers + root) --mode both --fsdp {2,1}, 2 CPU ranks,
     2 micro-batches per step."""
-    steps, units = 6, 2 + 1
-    args = ["--size", "tiny", "--fsdp", str(fsdp), "--steps", str(steps)]
-    out = _check_ok(_torchrun("influence_trace.py", *args))
+    steps, units = INFLUENCE_STEPS, 2 + 1
+    out = _check_ok(example_batch.result(_influence_trace(fsdp)))
     assert f"FSDP{fsdp}, 2 ranks, cpu, float32" in out
     assert _number(r"projections: max relative difference retain vs two_forward (\S+)", out) <= 1e-4
     diff = _number(r"max \|difference\| (\S+)", out)
@@ -481,15 +455,23 @@ def test_influence_trace(fsdp):
     assert _blocks(out) == [no_sync, synced] * steps
 
 
+CHUNKED_STEPS = 3
+
+
+def _chunked_ce(fsdp, chunks, library):
+    args = ("--fsdp", str(fsdp), "--chunks", str(chunks), "--steps", str(CHUNKED_STEPS))
+    return ExampleRun("chunked_ce.py", args + (() if library else ("--no-library",)),
+                      count_blocks=False)
+
+
 @pytest.mark.parametrize("library", [True, False], ids=["block", "plain"])
 @pytest.mark.parametrize("fsdp, chunks", [(2, 4), (1, 3)])
-def test_chunked_ce(fsdp, chunks, library):
+@batched(_chunked_ce)
+def test_chunked_ce(fsdp, chunks, library, example_batch):
     """chunked_ce.py --fsdp {2,1} --chunks k (3 blocks + lm_head + root), 2 CPU ranks, with
     the block (sync_grads="last", backwards=k + 1) and without it (--no-library)."""
-    steps, units = 3, 3 + 2
-    args = ["--fsdp", str(fsdp), "--chunks", str(chunks), "--steps", str(steps)]
-    args += [] if library else ["--no-library"]
-    out = _check_ok(_torchrun("chunked_ce.py", *args, count_blocks=False))
+    steps, units = CHUNKED_STEPS, 3 + 2
+    out = _check_ok(example_batch.result(_chunked_ce(fsdp, chunks, library)))
     mode = "block (keep_unsharded=True)" if library else "plain"
     assert f"FSDP{fsdp}, 2 ranks, cpu, {mode}, {chunks} chunks" in out
     assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
@@ -509,13 +491,22 @@ def test_chunked_ce(fsdp, chunks, library):
     assert _steps(out) == [expected] * steps
 
 
+TILED_STEPS = 3
+
+
+def _tiled_mlp(fsdp, mlp_units):
+    args = ("--fsdp", str(fsdp), "--steps", str(TILED_STEPS))
+    return ExampleRun("tiled_mlp.py", args + (("--mlp-units",) if mlp_units else ()),
+                      count_blocks=False)
+
+
 @pytest.mark.parametrize("fsdp, mlp_units", [(2, True), (1, False)])
-def test_tiled_mlp(fsdp, mlp_units):
+@batched(_tiled_mlp)
+def test_tiled_mlp(fsdp, mlp_units, example_batch):
     """tiled_mlp.py --fsdp {2,1} (4 tiles), 2 CPU ranks, with the block: parity with the
     untiled one-process model, one all-gather and one reduce-scatter per unit per step."""
-    steps, units = 3, (2 * 2 if mlp_units else 2) + 1
-    args = ["--fsdp", str(fsdp), "--steps", str(steps)] + (["--mlp-units"] if mlp_units else [])
-    out = _check_ok(_torchrun("tiled_mlp.py", *args, count_blocks=False))
+    steps, units = TILED_STEPS, (2 * 2 if mlp_units else 2) + 1
+    out = _check_ok(example_batch.result(_tiled_mlp(fsdp, mlp_units)))
     assert f"FSDP{fsdp}, 2 ranks, cpu, block, 4 tiles, {units} units" in out
     assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
     assert _steps(out) == [{"all_gather": units, "reduce_scatter": units}] * steps
@@ -530,13 +521,18 @@ def test_tiled_mlp_plain_fsdp1_fails():
     assert "RuntimeError: size mismatch" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
 
 
+def _chunked_ce_keep(keep):
+    return ExampleRun("chunked_ce.py", ("--keep-unsharded", keep, "--chunks", "4", "--steps",
+                                        str(CHUNKED_STEPS)), count_blocks=False)
+
+
 @pytest.mark.parametrize("keep", ["lm_head", "none"])
-def test_chunked_ce_keep_unsharded(keep):
+@batched(_chunked_ce_keep)
+def test_chunked_ce_keep_unsharded(keep, example_batch):
     """chunked_ce.py --keep-unsharded {lm_head,none} --chunks 4, FSDP2, 2 CPU ranks: a
     budget of the lm_head's bytes keeps the lm_head gathered; False re-gathers it."""
-    steps, blocks, chunks = 3, 3, 4
-    args = ["--keep-unsharded", keep, "--chunks", str(chunks), "--steps", str(steps)]
-    out = _check_ok(_torchrun("chunked_ce.py", *args, count_blocks=False))
+    steps, blocks, chunks = CHUNKED_STEPS, 3, 4
+    out = _check_ok(example_batch.result(_chunked_ce_keep(keep)))
     assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
     # The trunk's blocks gather in forward and again in backward, as plain FSDP2 does;
     # the root is gathered at every pass (k + 1), though no chunk goes through it; the
@@ -548,18 +544,25 @@ def test_chunked_ce_keep_unsharded(keep):
     assert _steps(out) == [expected] * steps
 
 
+MTP_STEPS, MTP_HEADS = 3, 3
+
+
+def _mtp_heads(fsdp, norms):
+    args = ("--fsdp", str(fsdp), "--heads", str(MTP_HEADS), "--steps", str(MTP_STEPS))
+    return ExampleRun("mtp_heads.py", args + (("--head-norms",) if norms else ()))
+
+
 @pytest.mark.parametrize("fsdp, norms", [(2, False), (1, True)], ids=["2-sum", "1-head_norms"])
-def test_mtp_heads(fsdp, norms):
+@batched(_mtp_heads)
+def test_mtp_heads(fsdp, norms, example_batch):
     """mtp_heads.py --fsdp 2 --heads 3 (3 blocks + 3 heads + root), 2 CPU ranks, with
     the block: sync_grads="last", backwards=3 (the trunk gathered and reduced once per
     step); --fsdp 1 --head-norms (block.grads per head, each head's gradient norm).
     The other two pairs: tests/loss_grads/cases_loss_grads.py (block.grads on FSDP2) and the
     sync_grads="last" grids of tests/fsdp1/cases_fsdp1_parity.py."""
-    steps, layers, heads = 3, 3, 3
+    steps, layers, heads = MTP_STEPS, 3, MTP_HEADS
     units = layers + heads + 1
-    args = ["--fsdp", str(fsdp), "--heads", str(heads), "--steps", str(steps)]
-    args += ["--head-norms"] if norms else []
-    out = _check_ok(_torchrun("mtp_heads.py", *args))
+    out = _check_ok(example_batch.result(_mtp_heads(fsdp, norms)))
     mode = "block.grads" if norms else "block"
     assert f"FSDP{fsdp}, 2 ranks, cpu, {mode}, {heads} heads" in out
     assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
@@ -581,13 +584,18 @@ def test_mtp_heads(fsdp, norms):
     assert _blocks(out) == [block] * steps
 
 
-def test_mtp_heads_plain_fsdp2_regathers_the_trunk():
+def _mtp_heads_plain_fsdp2():
+    return ExampleRun("mtp_heads.py", ("--heads", "4", "--steps", str(MTP_STEPS), "--no-library"),
+                      count_blocks=False)
+
+
+@batched(_mtp_heads_plain_fsdp2)
+def test_mtp_heads_plain_fsdp2_regathers_the_trunk(example_batch):
     """mtp_heads.py --no-library --heads 4, FSDP2, 2 CPU ranks: right, but every head's
     backward all-gathers and reduce-scatters the trunk again."""
-    steps, layers, heads = 3, 3, 4
+    steps, layers, heads = MTP_STEPS, 3, 4
     units = layers + heads + 1
-    args = ["--heads", str(heads), "--steps", str(steps), "--no-library"]
-    out = _check_ok(_torchrun("mtp_heads.py", *args, count_blocks=False))
+    out = _check_ok(example_batch.result(_mtp_heads_plain_fsdp2()))
     assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
     # Each pass reduces the L + 2 units it goes through (trunk blocks, root, its head)
     # and, in the total, gathers as many: the forward's U, then L + 2 per pass (FSDP2

@@ -23,15 +23,24 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 
-def _install() -> None:
+@contextlib.contextmanager
+def counting() -> Iterator[None]:
+    """The counting wrapper in place of ``no_reshard_between_backwards`` (the package's and
+    the accelerate integration's reference), the originals back in ``finally``
+    (tests/support/run_examples.py counts some runs of one process and not others)."""
     import torch.distributed as dist
 
     import fsdp_retain
     from fsdp_retain._measure import count_collectives
+    # The integrations (accelerate's loop, the Trainer's, through accelerate's) open their
+    # blocks through their own reference.
+    from fsdp_retain.integrations import accelerate as accelerate_integration
 
     original = fsdp_retain.no_reshard_between_backwards
+    original_integration = accelerate_integration.no_reshard_between_backwards
 
     @contextlib.contextmanager
     def counted(model, **kwargs):
@@ -46,22 +55,23 @@ def _install() -> None:
             )
 
     fsdp_retain.no_reshard_between_backwards = counted
-    # The integrations (accelerate's loop, the Trainer's, through accelerate's) open their
-    # blocks through their own reference.
-    from fsdp_retain.integrations import accelerate as accelerate_integration
-
     accelerate_integration.no_reshard_between_backwards = counted  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fsdp_retain.no_reshard_between_backwards = original
+        accelerate_integration.no_reshard_between_backwards = original_integration
 
 
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
-    _install()
     # Without the interpreter's teardown, where gloo sometimes aborts: see run_example.py.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from run_example import run
 
-    run(sys.argv[1], sys.argv[2:])
+    with counting():
+        run(sys.argv[1], sys.argv[2:])
 
 
 if __name__ == "__main__":
