@@ -102,12 +102,17 @@ def test_stacks_and_compile_cases(dry_run):
 
 
 def test_one_pass_against_one_backward(dry_run):
-    """Every report run has the one_pass row's ratio against its one_backward row, and the
-    summary lists them."""
+    """Every report run has the one_pass row's ratio against its one_backward row (its step
+    time over theirs, from the run's own report.json), and the summary lists them. No bound
+    on the value: two steps of a tiny model on a busy CPU are noise (a dry run read 14x)."""
     _, out, _ = dry_run
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["one_pass"]) == {"fsdp2", "fsdp1", *EXTRA_REPORTS}, summary["one_pass"]
-    assert all(0 < ratio < 10 for ratio in summary["one_pass"].values()), summary["one_pass"]
+    for backend, ratio in summary["one_pass"].items():
+        rows = {r["label"]: r for r in
+                json.loads((out / "report" / backend / "report.json").read_text())["rows"]}
+        expected = rows["one_pass:every"]["step_time_s"] / rows["one_backward"]["step_time_s"]
+        assert ratio == pytest.approx(expected, rel=1e-9), (backend, ratio, expected)
     assert "## One pass in the block" in (out / "summary.md").read_text()
 
 
