@@ -78,7 +78,6 @@ import torch
 import torch.nn as nn
 
 from tests.support.examples import COUNT_BLOCKS, EXAMPLES, TIMEOUT, ExampleBatch, ExampleRun
-from tests.support.examples import example_env as _env  # noqa: F401 (the client tests')
 from tests.support.examples import free_port as _free_port
 from tests.support.examples import run as _run
 from tests.support.examples import torchrun as _torchrun

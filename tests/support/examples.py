@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,18 +24,13 @@ from pathlib import Path
 from tests.support.harness import (
     ROOT, record_launch, recorded_launch, run_retrying_exit_abort, timeout_scale,
 )
+from tests.support.harness import _free_port as free_port
 
 EXAMPLES = ROOT / "examples"
 COUNT_BLOCKS = str(ROOT / "tests" / "support" / "count_blocks.py")
 RUN_EXAMPLE = str(ROOT / "tests" / "support" / "run_example.py")
 RUN_EXAMPLES = str(ROOT / "tests" / "support" / "run_examples.py")
 TIMEOUT = 300 * timeout_scale()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def example_env(env: dict[str, str] | None) -> dict[str, str]:
