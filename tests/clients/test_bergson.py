@@ -12,14 +12,23 @@ import pytest
 pytest.importorskip("bergson", reason="bergson not installed (see docs/integrations/bergson.md)")
 pytest.importorskip("transformers", reason="the bergson example uses a tiny transformers Qwen2")
 
-from tests.docs.test_examples import _blocks, _check_ok, _number, _torchrun  # noqa: E402
+from tests.docs.test_examples import _blocks, _check_ok, _number  # noqa: E402
+from tests.support.examples import ExampleRun, batched, session_batch  # noqa: E402
+
+STEPS = 8
+
+
+def _bergson(fsdp):
+    """The run (the session's batch runs it, tests/support/examples.py)."""
+    return ExampleRun("influence_bergson.py", ("--fsdp", str(fsdp), "--steps", str(STEPS)))
 
 
 @pytest.mark.parametrize("fsdp", [2, 1])
+@batched(_bergson)
 def test_influence_bergson(fsdp):
     """influence_bergson.py --fsdp {2,1} (3 layers + root), 2 CPU ranks, 8 steps."""
-    steps, units = 8, 3 + 1
-    out = _check_ok(_torchrun("influence_bergson.py", "--fsdp", str(fsdp), "--steps", str(steps)))
+    steps, units = STEPS, 3 + 1
+    out = _check_ok(session_batch().result(_bergson(fsdp)))
     assert f"FSDP{fsdp}, 2 ranks, cpu" in out
     # 7 Linear modules per decoder layer; FSDP1 puts its wrapper in the names.
     prefix = "layers.0." + ("_fsdp_wrapped_module." if fsdp == 1 else "")

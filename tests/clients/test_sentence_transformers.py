@@ -21,7 +21,8 @@ pytest.importorskip("datasets", reason="the SentenceTransformerTrainer needs dat
 
 import re  # noqa: E402
 
-from tests.docs.test_examples import _check_ok, _number, _torchrun  # noqa: E402
+from tests.docs.test_examples import _check_ok, _number  # noqa: E402
+from tests.support.examples import ExampleRun, batched, session_batch  # noqa: E402
 
 STEPS = 3
 LAYERS = 2  # BertLayer units; the root (embeddings, pooling) is the third
@@ -31,9 +32,35 @@ UNITS = LAYERS + 1
 MINIBATCHES = 2 * 8 // 2
 
 
-def _run(*args: str) -> tuple[str, list[dict[str, int]]]:
-    out = _check_ok(_torchrun("sentence_transformers_cached.py", "--steps", str(STEPS), *args,
-                              count_blocks=False))
+def _cached(*args: str) -> ExampleRun:
+    """The run (the session's batch runs it, tests/support/examples.py)."""
+    return ExampleRun("sentence_transformers_cached.py", ("--steps", str(STEPS), *args),
+                      count_blocks=False)
+
+
+def _block(fsdp, sync):
+    return _cached("--fsdp", str(fsdp), "--sync-grads", sync)
+
+
+def _plain(fsdp):
+    return _cached("--fsdp", str(fsdp), "--no-library")
+
+
+def _ddp():
+    return _cached("--ddp")
+
+
+def _deepspeed(stage, sync):
+    return _cached("--deepspeed", str(stage), "--sync-grads", sync)
+
+
+def _plain_zero2():
+    return ExampleRun("sentence_transformers_cached.py",
+                      ("--deepspeed", "2", "--no-library", "--steps", "1"), count_blocks=False)
+
+
+def _run(example: ExampleRun) -> tuple[str, list[dict[str, int]]]:
+    out = _check_ok(session_batch().result(example))
     assert _number(r"largest update (\S+);", out) > 1e-2
     lines = re.findall(r"^step \d+: loss \S+, uncached replay \S+, (.*)$", out, re.M)
     steps = [{k: int(v) for k, v in (kv.split("=") for kv in line.split())} for line in lines]
@@ -50,12 +77,13 @@ def _parity(out: str, fsdp: int) -> None:
 
 @pytest.mark.parametrize("fsdp, sync", [(2, "every"), (1, "every"), (2, "last")],
                          ids=["fsdp2", "fsdp1", "fsdp2-sync-last"])
+@batched(_block)
 def test_cached_loss_block(fsdp, sync):
     """--fsdp {2,1} [--sync-grads last], 2 CPU ranks, 3 steps, the block around
     training_step: parity; one all-gather per unit per step, all of them in the no-grad
     forwards (the replays gather nothing); one reduce-scatter per unit per replay, or
     per step with sync_grads="last"."""
-    out, steps = _run("--fsdp", str(fsdp), "--sync-grads", sync)
+    out, steps = _run(_block(fsdp, sync))
     model = "FSDPSentenceTransformer" if fsdp == 2 else "FullyShardedDataParallel"
     assert (f"SentenceTransformerTrainer: FSDP{fsdp}, 2 processes on cpu, block "
             f"(sync_grads='{sync}'); model {model} with {UNITS} FSDP units") in out, out
@@ -67,6 +95,7 @@ def test_cached_loss_block(fsdp, sync):
 
 
 @pytest.mark.parametrize("fsdp", [2, 1])
+@batched(_plain)
 def test_cached_loss_plain(fsdp):
     """--fsdp {2,1} --no-library: the same training without the block agrees too, but
     gathers per mini-batch. In the no-grad forwards: the root once (FSDP keeps the root
@@ -74,7 +103,7 @@ def test_cached_loss_plain(fsdp):
     forward, and again per backward on FSDP1 (FSDP2 takes a forward inside a backward for
     a recomputation and keeps it gathered); the root again per replay but the first (its
     backward reshards it)."""
-    out, steps = _run("--fsdp", str(fsdp), "--no-library")
+    out, steps = _run(_plain(fsdp))
     assert f"FSDP{fsdp}, 2 processes on cpu, plain (no block)" in out, out
     _parity(out, fsdp)
     forward = 1 + MINIBATCHES * LAYERS
@@ -92,11 +121,12 @@ def _parity_of(out: str, dtype: str) -> None:
     assert _number(r"losses: (\S+)\)", out) <= tolerance
 
 
+@batched(_ddp)
 def test_cached_loss_ddp():
     """--ddp (the Trainer's DDP, use_cpu=True) with the Trainer integration: right
     (float64), with the 2 all-reduces per step plain DDP makes (plain is right too:
     sentence-transformers syncs DDP itself, once, at the last replay)."""
-    out, steps = _run("--ddp")
+    out, steps = _run(_ddp())
     assert ("SentenceTransformerTrainer: DDP, 2 processes on cpu, block (sync_grads='every')"
             in out), out
     _parity_of(out, "float64")
@@ -111,12 +141,13 @@ ZERO12_STEP = {"all_reduce": 2, "all_gather": 2}
 
 @pytest.mark.parametrize("stage, sync", [(1, "every"), (2, "every"), (2, "last"), (3, "every")],
                          ids=["zero1", "zero2", "zero2-sync-last", "zero3"])
+@batched(_deepspeed)
 def test_cached_loss_deepspeed(stage, sync):
     """--deepspeed STAGE (the Trainer's deepspeed= config, fp32) with the Trainer
     integration: right (plain ZeRO-2 fails, sentence-transformers#3173). ZeRO-1/2 reduce
     once per replayed mini-batch ("every") or once per step ("last"); ZeRO-3 reduce-scatters
     once per replay (a cached loss needs "every" there)."""
-    out, steps = _run("--deepspeed", str(stage), "--sync-grads", sync)
+    out, steps = _run(_deepspeed(stage, sync))
     assert (f"SentenceTransformerTrainer: DeepSpeed ZeRO-{stage}, 2 processes on cpu, block "
             f"(sync_grads='{sync}')") in out, out
     _parity_of(out, "float32")
@@ -128,13 +159,11 @@ def test_cached_loss_deepspeed(stage, sync):
     assert [s["all_gather"] for s in steps] == [ZERO12_STEP["all_gather"]] * STEPS
 
 
+@batched(_plain_zero2)
 def test_cached_loss_deepspeed_plain_zero2_fails():
     """--deepspeed 2 --no-library: sentence-transformers#3173, the replays reduce each
     parameter once per mini-batch and ZeRO-2 asserts."""
-    from tests.docs.test_examples import _torchrun
-
-    proc = _torchrun("sentence_transformers_cached.py", "--deepspeed", "2", "--no-library",
-                     "--steps", "1", count_blocks=False)
+    proc = session_batch().result(_plain_zero2())
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "Gradient computed twice for this partition" in out, out[-4000:]

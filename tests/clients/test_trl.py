@@ -25,16 +25,30 @@ import pytest
 pytest.importorskip("trl", reason="trl not installed (pip install trl==1.16.0)")
 pytest.importorskip("datasets", reason="TRL's SFTTrainer needs datasets")
 
-from tests.docs.test_examples import _check_ok, _number, _torchrun  # noqa: E402
+from tests.docs.test_examples import _check_ok, _number  # noqa: E402
+from tests.support.examples import ExampleRun, batched, session_batch  # noqa: E402
 
 STEPS = 3
 TRL_DEFAULTS = ("bf16 True, gradient checkpointing on 3 modules (use_reentrant=False), "
                 "outputs FusedCausalLMOutput, gradient_accumulation_steps 2")
 
 
-def _run(backend: tuple[str, ...], library: bool):
-    args = [*backend, "--steps", str(STEPS)] + ([] if library else ["--no-library"])
-    proc = _torchrun("trl_sft_aux.py", *args, count_blocks=False)
+def _example(backend: tuple[str, ...], library: bool) -> ExampleRun:
+    """The run (the session's batch runs it, tests/support/examples.py)."""
+    args = (*backend, "--steps", str(STEPS)) + (() if library else ("--no-library",))
+    return ExampleRun("trl_sft_aux.py", args, count_blocks=False)
+
+
+def _ddp(library):
+    return _example(("--ddp",), library)
+
+
+def _zero2(library):
+    return _example(("--deepspeed", "2"), library)
+
+
+def _run(example: ExampleRun):
+    proc = session_batch().result(example)
     return proc, proc.stdout + proc.stderr
 
 
@@ -48,10 +62,11 @@ def _right(proc, out: str) -> None:
 
 
 @pytest.mark.parametrize("library", [True, False], ids=["block", "plain"])
+@batched(_ddp)
 def test_trl_sft_aux_ddp(library):
     """--ddp (the Trainer's DDP, use_cpu=True), TRL's defaults: with the block right;
     without it the second pass is never all-reduced and the ranks' parameters differ."""
-    proc, out = _run(("--ddp",), library)
+    proc, out = _run(_ddp(library))
     name = "RetainingEntropyBonusSFTTrainer" if library else "EntropyBonusSFTTrainer"
     assert (f"{name}: DDP, 2 processes on cpu, {TRL_DEFAULTS}; model DistributedDataParallel"
             in proc.stdout), out[-4000:]
@@ -64,13 +79,14 @@ def test_trl_sft_aux_ddp(library):
 
 
 @pytest.mark.parametrize("library", [True, False], ids=["block", "plain"])
+@batched(_zero2)
 def test_trl_sft_aux_deepspeed_zero2(library):
     """--deepspeed 2 (the Trainer's deepspeed= config through examples/accelerate_cpu_fsdp.py,
     the engine's bf16 with fp32 master weights), TRL's defaults: with the block right;
     without it the engine steps after SFT's pass and the parameters end over ten times
     the tolerance away from the replay."""
     pytest.importorskip("deepspeed", reason="deepspeed not installed (the deepspeed extra)")
-    proc, out = _run(("--deepspeed", "2"), library)
+    proc, out = _run(_zero2(library))
     name = "RetainingEntropyBonusSFTTrainer" if library else "EntropyBonusSFTTrainer"
     assert (f"{name}: DeepSpeed ZeRO-2, 2 processes on cpu, {TRL_DEFAULTS}; "
             "model DeepSpeedEngine") in proc.stdout, out[-4000:]

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("deepspeed", reason="deepspeed not installed (the deepspeed extra)")
 pytest.importorskip("transformers", reason="the DeepSpeed cases use a tiny transformers Qwen2")
 
+from tests.support.examples import ExampleRun, batched, session_batch  # noqa: E402
 from tests.support.harness import case_tests  # noqa: E402
 
 
@@ -83,7 +84,7 @@ def test_report_zero3_rows(tmp_path):
     assert reduces["probe:every"] == reduces["keep:last"], reduces
 
 
-# One launch per stage, each with one more of the Trainer's settings: clipping (the
+# One run per stage, each with one more of the Trainer's settings: clipping (the
 # engine's gradient_clipping, "auto" from max_grad_norm) on ZeRO-0/1, bf16 (the engine's
 # bf16 with fp32 master weights) with clipping on ZeRO-2, bf16 on ZeRO-3. fp32 ZeRO-2/3
 # run in test_sentence_transformers' cached-loss cases and by hand (docs/integrations).
@@ -95,7 +96,18 @@ HF_TRAINER_DS = {
 }
 
 
+def _hf_trainer_ds(stage):
+    """The run (the session's batch runs it, tests/support/examples.py)."""
+    return ExampleRun("hf_trainer.py", ("--deepspeed", str(stage), *HF_TRAINER_DS[stage]))
+
+
+def _hf_trainer_ds_plain(stage):
+    return ExampleRun("hf_trainer.py", ("--deepspeed", str(stage), "--no-library"),
+                      count_blocks=False)
+
+
 @pytest.mark.parametrize("stage", sorted(HF_TRAINER_DS))
+@batched(_hf_trainer_ds)
 def test_hf_trainer_deepspeed(stage):
     """examples/hf_trainer.py --deepspeed STAGE: the Trainer's own deepspeed= config (2 CPU
     ranks through examples/accelerate_cpu_fsdp.py), a two-backward training_step under the
@@ -106,10 +118,9 @@ def test_hf_trainer_deepspeed(stage):
     pass at it; ZeRO-2 one all-reduce per pass in every micro-batch (it partitions
     gradients); ZeRO-3 gathers what the first forward needs and reduce-scatters once per
     pass."""
-    from tests.docs.test_examples import HF_TRAINER_CHECK, _blocks, _check_ok, _number, _torchrun
+    from tests.docs.test_examples import HF_TRAINER_CHECK, _blocks, _check_ok, _number
 
-    out = _check_ok(_torchrun("hf_trainer.py", "--deepspeed", str(stage),
-                              *HF_TRAINER_DS[stage]))
+    out = _check_ok(session_batch().result(_hf_trainer_ds(stage)))
     assert (f"Trainer: DeepSpeed ZeRO-{stage} (DEEPSPEED), 2 processes on cpu, "
             "gradient_accumulation_steps 2; model DeepSpeedEngine") in out, out
     update = _number(r"largest update (\S+);", out)
@@ -132,14 +143,14 @@ def test_hf_trainer_deepspeed(stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+@batched(_hf_trainer_ds_plain)
 def test_hf_trainer_deepspeed_plain(stage):
     """--deepspeed STAGE --no-library: the same training_step without the integration:
     accelerate steps the engine after the first pass's backward, so ZeRO-2 ends away from
     the replay, and ZeRO-3's second pass finds its parameters released."""
-    from tests.docs.test_examples import _number, _torchrun
+    from tests.docs.test_examples import _number
 
-    proc = _torchrun("hf_trainer.py", "--deepspeed", str(stage), "--no-library",
-                     count_blocks=False)
+    proc = session_batch().result(_hf_trainer_ds_plain(stage))
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     if stage == 2:

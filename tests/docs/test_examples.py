@@ -2,9 +2,10 @@
 
 Each example asserts its own agreement check and exits non-zero on disagreement;
 these tests run them as subprocesses (``torchrun`` / ``accelerate launch``) and
-check the exit code and the printed figures. The runs that pass and need only torch
-and this library share one 2-rank launch (``batched``; tests/support/examples.py): each
-run's output, exit status and arguments are what it would have had alone. ``CUDA_VISIBLE_DEVICES`` is empty,
+check the exit code and the printed figures. The runs a test names (``batched``) share
+the session's batch (tests/support/examples.py): each run is a process of its own, forked
+after the shared imports, with the output, exit status and arguments it would have had
+alone. ``CUDA_VISIBLE_DEVICES`` is empty,
 so they take the CPU path on any machine. They run through
 ``tests/support/count_blocks.py``, which prints the collectives of every
 ``no_reshard_between_backwards`` block, checked against formulas below (under
@@ -67,7 +68,6 @@ all-gathers, so agreement alone would not show that the block did anything).
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import os
 import re
 import subprocess
@@ -77,7 +77,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.support.examples import COUNT_BLOCKS, EXAMPLES, TIMEOUT, ExampleBatch, ExampleRun
+from tests.support.examples import (
+    COUNT_BLOCKS, EXAMPLES, TIMEOUT, ExampleBatch, ExampleRun, batched, session_batch,
+)
 from tests.support.examples import free_port as _free_port
 from tests.support.examples import run as _run
 from tests.support.examples import torchrun as _torchrun
@@ -85,31 +87,10 @@ from tests.support.harness import ROOT, recorded_launch, run_retrying_exit_abort
 
 CPU_FSDP = str(ROOT / "examples" / "accelerate_cpu_fsdp.py")
 
-# A test whose run passes and needs only torch and this library names it here (its
-# function's name -> the run, from the test's parameters): the batch of the selected
-# tests' runs starts once, on 2 ranks, at the first of them (tests/support/examples.py).
-BATCHED: dict[str, object] = {}
-
-
-def batched(plan):
-    """Registers ``plan`` (the test's parameters -> its ``ExampleRun``) for the batch."""
-    def register(test):
-        BATCHED[test.__name__] = plan
-        return test
-    return register
-
-
 @pytest.fixture(scope="module")
-def example_batch(request) -> ExampleBatch:
-    runs = []
-    for item in request.session.items:
-        plan = BATCHED.get(getattr(item, "originalname", ""))
-        if plan is None or item.module is not sys.modules[__name__]:
-            continue
-        params = getattr(item, "callspec", None)
-        params = params.params if params is not None else {}
-        runs.append(plan(**{name: params[name] for name in inspect.signature(plan).parameters}))
-    return ExampleBatch(runs)
+def example_batch() -> ExampleBatch:
+    """The session's batch (tests/support/examples.py): the selected tests' planned runs."""
+    return session_batch()
 
 
 def _accelerate(config: str, *script: str, env: dict[str, str] | None = None):
@@ -354,6 +335,22 @@ def test_accelerate_train_says_one_process():
     assert "agreement" not in proc.stdout
 
 
+HF_TRAINER_STEPS = 3
+
+
+def _hf_trainer(fsdp):
+    return ExampleRun("hf_trainer.py", ("--fsdp", str(fsdp), "--steps", str(HF_TRAINER_STEPS)))
+
+
+def _hf_trainer_plain_fsdp1():
+    return ExampleRun("hf_trainer.py", ("--fsdp", "1", "--no-library"), count_blocks=False)
+
+
+def _hf_trainer_ddp(library):
+    args = ("--ddp", "--steps", str(HF_TRAINER_STEPS)) + (() if library else ("--no-library",))
+    return ExampleRun("hf_trainer.py", args, count_blocks=library)
+
+
 # hf_trainer.py's own collectives in each training_step, for its check at the end: the
 # batch gathered and the loss reduced over the ranks (inside the integration's block).
 HF_TRAINER_CHECK = {"all_gather": 1, "all_reduce": 1}
@@ -365,12 +362,13 @@ HF_TRAINER_CHECK = {"all_gather": 1, "all_reduce": 1}
     (2, "FSDPQwen2ForCausalLM with 6 FSDP modules", 4),
     (1, "FullyShardedDataParallel with 3 FSDP modules", 3),
 ], ids=["fsdp2", "fsdp1"])
-def test_hf_trainer(fsdp, wrapper, units):
+@batched(_hf_trainer)
+def test_hf_trainer(fsdp, wrapper, units, example_batch):
     """hf_trainer.py --fsdp {2,1}: a transformers Trainer (tiny Qwen2, FSDP from its fsdp
     arguments, on 2 CPU ranks through examples/accelerate_cpu_fsdp.py), training_step with
     two backward passes, gradient accumulation 2, 3 steps: parity with a one-process replay."""
-    steps, accumulation = 3, 2
-    out = _check_ok(_torchrun("hf_trainer.py", "--fsdp", str(fsdp), "--steps", str(steps)))
+    steps, accumulation = HF_TRAINER_STEPS, 2
+    out = _check_ok(example_batch.result(_hf_trainer(fsdp)))
     assert (f"Trainer: FSDP (fsdp_version {fsdp}), 2 processes on cpu, "
             f"gradient_accumulation_steps {accumulation}; model {wrapper}") in out, out
     assert len(re.findall(r"^step \d: loss \S+, unsharded replay \S+$", out, re.M)) == steps
@@ -385,10 +383,11 @@ def test_hf_trainer(fsdp, wrapper, units):
     assert _blocks(out) == [no_sync, dict(no_sync, reduce_scatter=2 * units)] * steps
 
 
-def test_hf_trainer_plain_fsdp1_fails():
+@batched(_hf_trainer_plain_fsdp1)
+def test_hf_trainer_plain_fsdp1_fails(example_batch):
     """hf_trainer.py --fsdp 1 --no-library: the second backward needs parameters the
     first one freed."""
-    proc = _torchrun("hf_trainer.py", "--fsdp", "1", "--no-library", count_blocks=False)
+    proc = example_batch.result(_hf_trainer_plain_fsdp1())
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "setStorage" in out and "out of bounds for storage of size 0" in out, out[-4000:]
@@ -396,14 +395,14 @@ def test_hf_trainer_plain_fsdp1_fails():
 
 
 @pytest.mark.parametrize("library", [True, False], ids=["block", "plain"])
-def test_hf_trainer_ddp(library):
+@batched(_hf_trainer_ddp)
+def test_hf_trainer_ddp(library, example_batch):
     """hf_trainer.py --ddp (no fsdp arguments, use_cpu=True: the Trainer wraps the model in
     DDP, find_unused_parameters=True), gradient accumulation 2, 3 steps: with the block,
     parity with a one-process replay; without it, DDP all-reduces only the first backward
     and the parameters end away from the replay (~1e-4 here: the z-loss is small)."""
-    steps, accumulation = 3, 2
-    args = ["--ddp", "--steps", str(steps)] + ([] if library else ["--no-library"])
-    proc = _torchrun("hf_trainer.py", *args, count_blocks=library)
+    accumulation = 2
+    proc = example_batch.result(_hf_trainer_ddp(library))
     out = proc.stdout + proc.stderr
     assert (f"Trainer: DDP (MULTI_CPU), 2 processes on cpu, gradient_accumulation_steps "
             f"{accumulation}; model DistributedDataParallel around Qwen2ForCausalLM"
@@ -417,7 +416,7 @@ def test_hf_trainer_ddp(library):
         buckets, used_map = 1, 1
         no_sync = {"passes": 2, "reduce_scatter": 0, **HF_TRAINER_CHECK}
         sync = dict(no_sync, all_reduce=2 * (buckets + used_map) + HF_TRAINER_CHECK["all_reduce"])
-        assert _blocks(out) == [no_sync, sync] * steps
+        assert _blocks(out) == [no_sync, sync] * HF_TRAINER_STEPS
     else:
         assert proc.returncode != 0, out[-4000:]
         assert _number(r"PARITY max_diff=(\S+)", proc.stdout) > 1e-5
@@ -511,11 +510,16 @@ def test_tiled_mlp(fsdp, mlp_units, example_batch):
     assert _steps(out) == [{"all_gather": units, "reduce_scatter": units}] * steps
 
 
-def test_tiled_mlp_plain_fsdp1_fails():
+def _tiled_mlp_plain_fsdp1():
+    return ExampleRun("tiled_mlp.py", ("--fsdp", "1", "--no-library", "--steps", "1"),
+                      count_blocks=False)
+
+
+@batched(_tiled_mlp_plain_fsdp1)
+def test_tiled_mlp_plain_fsdp1_fails(example_batch):
     """tiled_mlp.py --fsdp 1 --no-library: FSDP1's post-backward hook frees the block's
     parameters after the first tile's backward, the second tile computes with them."""
-    proc = _torchrun("tiled_mlp.py", "--fsdp", "1", "--no-library", "--steps", "1",
-                     count_blocks=False)
+    proc = example_batch.result(_tiled_mlp_plain_fsdp1())
     assert proc.returncode != 0
     assert "RuntimeError: size mismatch" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
 
@@ -606,10 +610,15 @@ def test_mtp_heads_plain_fsdp2_regathers_the_trunk(example_batch):
     assert _steps(out) == [expected] * steps
 
 
-def test_mtp_heads_plain_fsdp1_fails():
+def _mtp_heads_plain_fsdp1():
+    return ExampleRun("mtp_heads.py", ("--fsdp", "1", "--no-library"), count_blocks=False)
+
+
+@batched(_mtp_heads_plain_fsdp1)
+def test_mtp_heads_plain_fsdp1_fails(example_batch):
     """mtp_heads.py --no-library --fsdp 1, 2 CPU ranks: the second head's backward needs
     parameters the first one freed."""
-    proc = _torchrun("mtp_heads.py", "--fsdp", "1", "--no-library", count_blocks=False)
+    proc = example_batch.result(_mtp_heads_plain_fsdp1())
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "setStorage" in out and "out of bounds for storage of size 0" in out, out[-4000:]

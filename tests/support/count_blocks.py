@@ -30,7 +30,7 @@ from collections.abc import Iterator
 def counting() -> Iterator[None]:
     """The counting wrapper in place of ``no_reshard_between_backwards`` (the package's and
     the accelerate integration's reference), the originals back in ``finally``
-    (tests/support/run_examples.py counts some runs of one process and not others)."""
+    (tests/support/run_examples.py enters it in the runs that ask for it)."""
     import torch.distributed as dist
 
     import fsdp_retain

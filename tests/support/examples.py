@@ -1,24 +1,31 @@
 """Starting the examples on 2 CPU ranks for the tests (tests/docs/test_examples.py and
-the client tests): one run per launch, or a batch of runs in one launch.
+the client tests): one run per launch, or the session's batch of runs.
 
-Every launch is recorded (``harness.record_launch``) for CI's launch table. A batch
-(``ExampleBatch``) serves the examples that need nothing but torch and this library and
-pass: its ranks run them in turn (tests/support/run_examples.py), each with the output,
-exit status and arguments it would have had alone, for the price of one rank start.
-The examples that fail on purpose (a rank left in a collective), start their ranks through
-a framework (accelerate, the Trainer, Lightning), or test the command line itself keep
-a launch of their own.
+Every launch is recorded (``harness.record_launch``) for CI's launch table. The batch
+(``ExampleBatch``) holds the runs of the selected tests that name theirs (``batched``):
+its ranks import once what the runs' scripts import, then fork a process per run
+(tests/support/run_examples.py), so each run has the output, exit status, arguments and
+fresh process state it would have had alone (the Trainer's and accelerate's singletons,
+DeepSpeed's communication backend, a shim's patches end with it) for the price of a fork.
+A run that fails, on one rank or both, is reported as its own and the batch goes on. The
+examples that start their ranks through a launcher (``accelerate launch``, Lightning's own,
+torchrun for the README's command) or test the command line itself (a package missing)
+keep a launch of their own.
 """
-
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
+import inspect
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.support.harness import (
@@ -53,7 +60,11 @@ def torchrun(script: str, *script_args: str, count_blocks: bool = True,
              env: dict[str, str] | None = None, via_torchrun: bool = False):
     """The example on 2 ranks: started as torchrun starts them (its environment
     variables; a rank that fails stops the other), without torchrun's own process,
-    which costs ~2 s a launch; ``via_torchrun`` for the README's command itself."""
+    which costs ~2 s a launch; ``via_torchrun`` for the README's command itself. A run
+    the session's batch planned (``batched``) is the batch's."""
+    example = ExampleRun(script, tuple(script_args), count_blocks)
+    if not via_torchrun and env is None and _session is not None and example in _session.runs:
+        return _session.result(example)
     program = [str(EXAMPLES / script), *script_args]
     with recorded_launch(f"example {script} {' '.join(script_args)}".rstrip(), 2):
         if via_torchrun:  # the README's command as written: the retry covers gloo's abort
@@ -76,8 +87,10 @@ def _start_ranks(cmd: list[str], env: dict[str, str] | None, world_size: int,
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         out = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         outs.append(out)
+        # A session of its own: the launcher kills a rank with whatever it forked
+        # (a batch's runs, tests/support/run_examples.py).
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=example_env(rank_env), stdout=out[0],
-                                      stderr=out[1], text=True))
+                                      stderr=out[1], text=True, start_new_session=True))
     return procs
 
 
@@ -97,7 +110,8 @@ def _wait(procs: list[subprocess.Popen], progress=lambda: 0) -> None:
         time.sleep(0.05)
     for p in procs:
         if p.poll() is None:
-            p.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
 
@@ -136,43 +150,99 @@ class ExampleRun:
         return " ".join([self.script, *self.args])
 
 
+def script_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """Every absolute import in the script (module level or inside a function), as
+    ``(module, names)``: what a batch's ranks import once before forking the runs. The
+    examples' own helper modules (``_deps``, ``accelerate_cpu_fsdp``) are left to the runs:
+    they act when imported."""
+    local = {p.stem for p in path.parent.glob("*.py")}
+    found: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.setdefault(alias.name, set())
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.setdefault(node.module, set()).update(
+                a.name for a in node.names if a.name != "*")
+    return [(m, sorted(n)) for m, n in sorted(found.items())
+            if m != "__future__" and m.split(".")[0] not in local]
+
+
+def script_env(path: Path) -> dict[str, str]:
+    """The environment variables the script sets at module level with literal values
+    (``os.environ.setdefault("HF_HUB_OFFLINE", "1")``), before its imports read them:
+    a batch's ranks set them before their own imports, and runs that set different ones
+    get a launch of their own (tests/support/run_examples.py)."""
+    env = {}
+    for node in ast.parse(path.read_text()).body:
+        call = node.value if isinstance(node, ast.Expr) else None
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "setdefault" and ast.unparse(call.func.value) == "os.environ"
+                and len(call.args) == 2 and all(isinstance(a, ast.Constant) for a in call.args)):
+            env[call.args[0].value] = call.args[1].value
+        elif (isinstance(node, ast.Assign) and len(node.targets) == 1
+              and isinstance(node.targets[0], ast.Subscript)
+              and ast.unparse(node.targets[0].value) == "os.environ"):
+            raise ValueError(f"{path.name} assigns os.environ at module level: give it "
+                             "os.environ.setdefault with literal values, or a launch of its own")
+    return env
+
+
 class ExampleBatch:
-    """The runs the selected tests need, started in one 2-rank launch at the first
-    ``result``; each result is the ``CompletedProcess`` the run would have given alone
-    (stdout and stderr rank 0's then rank 1's, the first non-zero status)."""
+    """The runs the selected tests need, in as few 2-rank launches as their environments
+    allow (one per set of ``script_env`` values), each started at the first ``result`` of
+    one of its runs. Each run is a process of its own, forked from its rank once the
+    modules its script imports are imported (tests/support/run_examples.py); each result
+    is the ``CompletedProcess`` the run would have given alone (stdout and stderr rank
+    0's then rank 1's, the first non-zero status)."""
 
     def __init__(self, runs: list[ExampleRun]) -> None:
         self.runs = list(dict.fromkeys(runs))
-        self._results: dict[ExampleRun, subprocess.CompletedProcess] | None = None
+        self._results: dict[ExampleRun, subprocess.CompletedProcess] = {}
+        groups: dict[tuple, list[ExampleRun]] = {}
+        for run in self.runs:
+            env = script_env(EXAMPLES / run.script)
+            groups.setdefault(tuple(sorted(env.items())), []).append(run)
+        self._groups = list(groups.items())
 
     def result(self, example: ExampleRun) -> subprocess.CompletedProcess:
         if example not in self.runs:  # not planned: a launch of its own
             return torchrun(example.script, *example.args, count_blocks=example.count_blocks)
-        if self._results is None:
-            self._results = self._launch()
+        if example not in self._results:
+            env, runs = next((e, r) for e, r in self._groups if example in r)
+            # setdefault, as the scripts do: the caller's own value stands
+            self._results.update(self._launch(runs, {k: v for k, v in env if k not in os.environ}))
         return self._results[example]
 
-    def _launch(self) -> dict[ExampleRun, subprocess.CompletedProcess]:
+    @staticmethod
+    def _launch(runs: list[ExampleRun], env: dict[str, str]
+                ) -> dict[ExampleRun, subprocess.CompletedProcess]:
         world_size = 2
+        preimport: dict[str, set[str]] = {}
+        for script in [Path(COUNT_BLOCKS)] + [EXAMPLES / r.script for r in runs]:
+            for module, names in script_imports(script):
+                preimport.setdefault(module, set()).update(names)
         with tempfile.TemporaryDirectory() as folder:
-            plan = {"out": folder, "runs": [
-                {"script": str(EXAMPLES / r.script), "args": list(r.args),
-                 "count_blocks": r.count_blocks, "port": free_port()} for r in self.runs]}
+            plan = {"out": folder,
+                    "preimport": [[m, sorted(n)] for m, n in preimport.items()],
+                    "runs": [{"script": str(EXAMPLES / r.script), "args": list(r.args),
+                              "count_blocks": r.count_blocks, "port": free_port()}
+                             for r in runs]}
             plan_path = os.path.join(folder, "plan.json")
             with open(plan_path, "w") as f:
                 json.dump(plan, f)
             outs: list = []
             started, started_wall = time.monotonic(), time.time()
-            procs = _start_ranks([sys.executable, RUN_EXAMPLES, plan_path], None, world_size, outs)
+            procs = _start_ranks([sys.executable, RUN_EXAMPLES, plan_path], env, world_size, outs)
             _wait(procs, progress=lambda: len(list(Path(folder).glob("*.code"))))
             wall = time.monotonic() - started
             launcher = _read(outs)  # what a rank printed outside the runs
-            results = {r: self._collect(Path(folder), i, r, world_size, procs, launcher)
-                       for i, r in enumerate(self.runs)}
+            results = {r: ExampleBatch._collect(Path(folder), i, r, world_size, procs, launcher)
+                       for i, r in enumerate(runs)}
             first = Path(folder) / "0.0.start"
             setup = float(first.read_text()) - started_wall if first.exists() else None
-        record_launch(f"examples batch ({len(self.runs)} runs: "
-                      f"{'; '.join(str(r) for r in self.runs)})", world_size, wall, setup)
+        record_launch(f"examples batch ({len(runs)} runs: "
+                      f"{'; '.join(str(r) for r in runs)})", world_size, wall, setup)
         return results
 
     @staticmethod
@@ -196,3 +266,36 @@ class ExampleBatch:
         code = next((c for c in codes if c != 0), 0)
         return subprocess.CompletedProcess([RUN_EXAMPLES, str(example)], code, "".join(outs),
                                            "".join(errs))
+
+
+# The tests whose run can share the session's batch name it (``@batched(plan)``: ``plan``
+# takes the test's parameters, by name, and returns its ``ExampleRun``). At collection's end
+# (tests/conftest.py) the selected tests' runs become the session's batch; ``torchrun``
+# then answers a planned run from it, any other with a launch of its own.
+BATCHED: dict[Callable, Callable[..., ExampleRun]] = {}
+_session: ExampleBatch | None = None
+
+
+def batched(plan: Callable[..., ExampleRun]):
+    def register(test):
+        BATCHED[test] = plan
+        return test
+    return register
+
+
+def plan_session(items: list) -> None:
+    global _session
+    runs = []
+    for item in items:
+        plan = BATCHED.get(getattr(item, "function", None))
+        if plan is None:
+            continue
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params if callspec is not None else {}
+        runs.append(plan(**{name: params[name] for name in inspect.signature(plan).parameters}))
+    _session = ExampleBatch(runs) if runs else None
+
+
+def session_batch() -> ExampleBatch:
+    """The session's batch (an empty one where no selected test planned a run)."""
+    return _session if _session is not None else ExampleBatch([])
