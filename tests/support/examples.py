@@ -12,6 +12,7 @@ examples that start their ranks through a launcher (``accelerate launch``, Light
 torchrun for the README's command) or test the command line itself (a package missing)
 keep a launch of their own.
 """
+
 from __future__ import annotations
 
 import ast
