@@ -61,11 +61,7 @@ def torchrun(script: str, *script_args: str, count_blocks: bool = True,
              env: dict[str, str] | None = None, via_torchrun: bool = False):
     """The example on 2 ranks: started as torchrun starts them (its environment
     variables; a rank that fails stops the other), without torchrun's own process,
-    which costs ~2 s a launch; ``via_torchrun`` for the README's command itself. A run
-    the session's batch planned (``batched``) is the batch's."""
-    example = ExampleRun(script, tuple(script_args), count_blocks)
-    if not via_torchrun and env is None and _session is not None and example in _session.runs:
-        return _session.result(example)
+    which costs ~2 s a launch; ``via_torchrun`` for the README's command itself."""
     program = [str(EXAMPLES / script), *script_args]
     with recorded_launch(f"example {script} {' '.join(script_args)}".rstrip(), 2):
         if via_torchrun:  # the README's command as written: the retry covers gloo's abort
@@ -261,7 +257,7 @@ class ExampleBatch:
                 status = procs[rank].returncode
                 codes.append(status if status else 1)
                 errs.append(f"[examples batch] run {i} ({example}) did not end on rank {rank}: "
-                            f"the rank exited with {status} (an earlier run failed, or the "
+                            f"the rank exited with {status} (it failed itself, or the "
                             f"time limit); what the rank printed outside the runs:\n"
                             f"{launcher[rank][0][-2000:]}{launcher[rank][1][-4000:]}\n")
         code = next((c for c in codes if c != 0), 0)
@@ -271,8 +267,8 @@ class ExampleBatch:
 
 # The tests whose run can share the session's batch name it (``@batched(plan)``: ``plan``
 # takes the test's parameters, by name, and returns its ``ExampleRun``). At collection's end
-# (tests/conftest.py) the selected tests' runs become the session's batch; ``torchrun``
-# then answers a planned run from it, any other with a launch of its own.
+# (tests/conftest.py) the selected tests' runs become the session's batch; a test reads
+# its run with ``session_batch().result(plan(...))``.
 BATCHED: dict[Callable, Callable[..., ExampleRun]] = {}
 _session: ExampleBatch | None = None
 

@@ -29,7 +29,6 @@ import contextlib
 import importlib
 import json
 import os
-import runpy
 import signal
 import sys
 import time
@@ -38,6 +37,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from count_blocks import counting  # noqa: E402
 from run_example import exit_now  # noqa: E402
+from run_example import run as run_script  # noqa: E402
 
 PEER_FAILED_GRACE = 5.0  # seconds a run's child may outlive a peer's failed child
 
@@ -58,40 +58,19 @@ def _preimport(modules: list[list]) -> None:
                 pass
 
 
-def _run_one(script: str, argv: list[str]) -> int:
-    """``script`` as ``__main__``; the status ``sys.exit`` would have exited with."""
-    sys.argv = [script, *argv]
-    folder = os.path.dirname(os.path.abspath(script))
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        if exc.code is None:
-            return 0
-        if isinstance(exc.code, int):
-            return exc.code
-        print(exc.code, file=sys.stderr)
-        return 1
-    except BaseException:  # the traceback as Python prints it
-        traceback.print_exc()
-        return 1
-    return 0
-
-
 def _child(run: dict, out_path: str, err_path: str) -> None:
-    """In the forked child: the run, its output into the two files; never returns."""
-    code = 1
+    """In the forked child: the run, its output into the two files; leaves through
+    ``run_example.exit_now`` (inside ``run_example.run``), never returns."""
     try:
         os.environ["MASTER_PORT"] = str(run["port"])
         with open(out_path, "w") as out, open(err_path, "w") as err:
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
         with counting() if run["count_blocks"] else contextlib.nullcontext():
-            code = _run_one(run["script"], run["args"])
+            run_script(run["script"], run["args"])
     except BaseException:  # noqa: BLE001 - the child must leave through exit_now
         traceback.print_exc()
-    exit_now(code)
+    exit_now(1)
 
 
 def _peer_failed(folder: str, i: int, rank: str, world_size: int) -> bool:
