@@ -226,6 +226,15 @@ def launch(args) -> int:
         import torch
 
         args.nproc = max(torch.cuda.device_count(), 1) if args.device == "cuda" else 2
+    if args.nproc == 1:  # one rank runs in this process: a child would only add its start
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if "OMP_NUM_THREADS" not in os.environ:  # as a launched rank gets it
+            import torch
+
+            torch.set_num_threads(1)
+        run_rank(args)
+        return 0
     procs = []
     for rank in range(args.nproc):
         env = dict(os.environ)

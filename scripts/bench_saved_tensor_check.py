@@ -221,6 +221,9 @@ def main(argv=None) -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    if args.nproc == 1:  # one rank runs in this process: a child would only add its start
+        _spawned(0, 1, port, args)
+        return 0
     mp.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc)
     return 0
 

@@ -2,7 +2,8 @@
 
 A cases module registers functions with ``@registry.case``; pytest launches
 all ranks once per world size for every cases module of the session (``launch``:
-starting ranks costs seconds, importing torch and transformers in each), every
+starting ranks costs seconds, importing torch and transformers; the ranks are forks of
+a process that imported them once, tests/support/rank_start.py), every
 rank runs every case in order with a barrier after each, and each case becomes
 one pytest test that fails with every rank's traceback and output tail. When
 pytest selects some of the cases (``-k``, node ids, ``--deselect``), the launch
@@ -37,6 +38,8 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from tests.support.rank_start import start_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKEND_ENV = "FSDP_RETAIN_TEST_BACKEND"  # the ranks' process group: gloo (default) or nccl
@@ -183,7 +186,7 @@ def launch_cases(
     port = _free_port()
     cases_file = workdir / "cases.txt"  # a file: a whole suite's names pass 128 KiB
     cases_file.write_text("".join(f"{module}:{name}\n" for module, name in cases))
-    procs, logs = [], []
+    envs, logs = [], []
     for rank in range(world_size):
         rank_env = dict(os.environ)
         rank_env.update(env or {})
@@ -200,20 +203,13 @@ def launch_cases(
             OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
         )
-        log = open(workdir / f"rank{rank}.log", "w+")
-        logs.append(log)
-        cmd = [
-            sys.executable,
-            "-m",
-            "tests.support.harness",
-            "--out",
-            str(workdir),
-            "--cases",
-            str(cases_file),
-        ]
-        procs.append(
-            subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=log, stderr=log)
-        )
+        envs.append(rank_env)
+        logs.append(open(workdir / f"rank{rank}.log", "w+"))
+    # Forks of a process that imported the cases modules once (tests/support/rank_start.py),
+    # each as `python -m tests.support.harness --out ... --cases ...` would start.
+    procs = start_ranks(envs, str(ROOT), [log.name for log in logs],
+                        ["--out", str(workdir), "--cases", str(cases_file)],
+                        list(dict.fromkeys(module for module, _ in cases)))
     deadline = time.monotonic() + timeout
     timed_out = False
     for proc in procs:
