@@ -282,5 +282,8 @@ def main() -> int:
     return launch(args)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # gloo's exit-time abort: see [Note: the report leaves
+    # without the interpreter's teardown] (fsdp_retain/report/_launch.py)
+    from fsdp_retain.report._launch import leave
+
+    leave(main())

@@ -162,6 +162,26 @@ def run_report(cfg: ReportConfig) -> dict:
     return _launch(cfg, world)
 
 
+def leave(code: int) -> None:
+    """Ends a process the report owns: stdout and stderr flushed, then ``os._exit(code)``.
+
+    [Note: the report leaves without the interpreter's teardown]
+    A gloo process group that ran and was destroyed sometimes aborts its process at
+    interpreter exit (``terminate called without an active exception``, SIGABRT) after
+    ``destroy_process_group()`` returned and everything was written: torch's gloo threads
+    torn down during finalization (docs/limits.md; seen at world size 1, and without
+    fsdp_retain imported). A launched rank that wrote its part would then fail the whole
+    report (``_launch`` refuses any nonzero exit), and a one-process CPU report would exit
+    -6 after printing its rows. So the report's entry points (``python -m
+    fsdp_retain.report``, ``scripts/memory_report.py``), whose processes are the report's
+    alone, leave through here once ``main`` or the rank has returned: nothing of the report
+    is skipped, only C++ teardown after it. An exception propagates as usual.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def rank_main() -> int:
     cfg = ReportConfig(**json.loads(os.environ[CONFIG_ENV]))
     worker(cfg)

@@ -18,14 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "docs/report/configs/llama3_70b.json"
 MODES = ["two_forward", "keep:every", "regather:every", "keep50:every"]
 
-# Runs the report's command line in this process, then prints its peak resident memory.
+# Runs the report's command line in this process (its main: ``python -m`` would leave
+# before the print), then prints its peak resident memory.
 _RUN = """
-import resource, runpy, sys
-sys.argv = ["fsdp_retain.report", *sys.argv[1:]]
-try:
-    runpy.run_module("fsdp_retain.report", run_name="__main__")
-except SystemExit as exc:
-    code = exc.code
+import resource, sys
+from fsdp_retain.report._cli import main
+code = main(sys.argv[1:])
 print("MAXRSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 sys.exit(code)
 """
