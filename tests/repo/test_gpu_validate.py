@@ -17,14 +17,16 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.repo import cases_device, cases_device_compile, cases_device_stacks
+from tests.support import background
 from tests.support.harness import timeout_scale
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,13 +47,27 @@ def _kit(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout * timeout_scale())
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_validate") / "results"
-    start = time.monotonic()
+@background.starts_early("dry_run")
+def _start_dry_run() -> background.BackgroundRun:
+    """The dry run, started when the session's tests are collected: one process, its
+    stages one after another, beside the tests before this module (tests/support/background.py)."""
+    out = Path(tempfile.mkdtemp(prefix="gpu_validate_")) / "results"
     # No wheelhouse: where deepspeed is missing, the stacks stage says how to get it.
-    proc = _kit("--dry-run", "--nproc", "1", "--out", str(out), "--wheelhouse", str(out / "none"))
-    return proc, out, time.monotonic() - start
+    return background.BackgroundRun(
+        ["bash", str(KIT), "--dry-run", "--nproc", "1", "--out", str(out),
+         "--wheelhouse", str(out / "none")],
+        payload=out, cwd=ROOT, env=dict(os.environ, PYTHON=sys.executable))
+
+
+@pytest.fixture(scope="module")
+def dry_run():
+    run = background.take("dry_run")
+    try:
+        proc = run.result(timeout=600 * timeout_scale())
+        yield proc, run.payload, run.seconds
+    finally:
+        run.kill()
+        shutil.rmtree(run.payload.parent, ignore_errors=True)
 
 
 def test_dry_run_exits_zero(dry_run):

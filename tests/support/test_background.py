@@ -1,0 +1,55 @@
+"""The runs a session starts early (tests/support/background.py): started once the tests
+are collected where a selected test uses the fixture, output kept whole (in files: a pipe
+nobody reads would stop the run), taken by the fixture, killed at the session's end when
+no test took them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tests.support import background
+
+
+def _python(code: str, **kwargs) -> background.BackgroundRun:
+    return background.BackgroundRun([sys.executable, "-c", code], **kwargs)
+
+
+def test_output_kept_whole_and_exit_code():
+    run = _python("import sys; print('x' * 300_000); print('err', file=sys.stderr); sys.exit(3)")
+    proc = run.result(timeout=60)
+    assert proc.returncode == 3
+    assert proc.stdout == "x" * 300_000 + "\n" and proc.stderr == "err\n"
+    assert run.seconds is not None and run.seconds < 60
+
+
+def test_timeout_kills_like_subprocess_run():
+    run = _python("import time; time.sleep(60)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run.result(timeout=0.5)
+    assert run._proc.returncode is not None  # killed, not left running
+
+
+def test_started_at_collection_taken_or_killed(tmp_path, monkeypatch):
+    monkeypatch.setattr(background, "STARTERS", {})
+    monkeypatch.setattr(background, "_started", {})
+    marker = tmp_path / "started"
+    background.starts_early("used")(
+        lambda: _python(f"open({str(marker)!r}, 'w').close(); print('done')"))
+    background.starts_early("unused")(lambda: pytest.fail("started for no selected test"))
+    background.starts_early("left")(lambda: _python("import time; time.sleep(60)"))
+    items = [SimpleNamespace(fixturenames=["tmp_path", "used"]), SimpleNamespace(fixturenames=["left"])]
+    background.plan_session(items)
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:  # runs before any take
+        time.sleep(0.05)
+    assert marker.exists()
+    assert background.take("used").result(timeout=30).stdout == "done\n"
+    left = background._started["left"]
+    background.stop_all()
+    assert left._proc.returncode is not None and left._proc.returncode < 0
+    assert background._started == {}
