@@ -20,7 +20,10 @@ import sys
 
 
 def exit_now(code: object) -> None:
-    """``os._exit`` with what ``sys.exit(code)`` would have exited with."""
+    """``os._exit`` with what ``sys.exit(code)`` would have exited with, through the
+    report's ``leave`` (output flushed first; the script has imported torch by then)."""
+    from fsdp_retain.report._launch import leave
+
     if code is None:
         status = 0
     elif isinstance(code, int):
@@ -28,9 +31,7 @@ def exit_now(code: object) -> None:
     else:
         print(code, file=sys.stderr)
         status = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    leave(status)
 
 
 def run(script: str, argv: list[str]) -> None:
