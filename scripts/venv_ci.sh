@@ -54,10 +54,17 @@ if [ ! -f "$work/installed" ]; then
   DS_BUILD_OPS=0 venv_pip "$work/venv" -c "$work/constraints.txt" torch==2.13.0 "${packages[@]}"
   DS_BUILD_OPS=0 venv_project "$work/venv" -c "$work/constraints.txt" "${extras[@]}"
   [ ${#unwanted[@]} = 0 ] || venv_pip_uninstall "$work/venv" "${unwanted[@]}"
+  if [ "$stack" = deepspeed ]; then
+    # DeepSpeed's CPU shm all-reduce op (inference only) is never built in this venv: every
+    # process imports the hook at start (scripts/deepspeed_no_shm_op.py, its note).
+    site=$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    cp scripts/deepspeed_no_shm_op.py "$site/fsdp_retain_ci_no_shm_op.py"
+    echo "import fsdp_retain_ci_no_shm_op" > "$site/fsdp_retain_ci_no_shm_op.pth"
+  fi
   touch "$work/installed"
 fi
 [ "$step" = install ] && exit 0
-# DeepSpeed builds its CPU op into TORCH_EXTENSIONS_DIR: a venv of its own (venvs sharing
-# one rebuild it).
+# A JIT-built DeepSpeed op would land in TORCH_EXTENSIONS_DIR: one of its own per venv
+# (venvs sharing one rebuild it). None is built in CI's (the shm op's hook, above).
 export TORCH_EXTENSIONS_DIR="$work/torch_extensions"
 "$work/venv/bin/python" -m pytest -q "${tests[@]}"

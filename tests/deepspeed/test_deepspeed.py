@@ -183,3 +183,33 @@ def test_gpu_kit_stacks_stage_with_deepspeed(tmp_path):
     assert json.loads((out / "stacks.json").read_text())["deepspeed"].startswith("deepspeed was")
     one_pass = json.loads((out / "summary.json").read_text())["one_pass"]
     assert set(one_pass) == {"ddp", "deepspeed"}, one_pass
+
+
+def test_ci_venv_builds_no_shm_op():
+    """CI's DeepSpeed venv (scripts/venv_ci.sh) imports scripts/deepspeed_no_shm_op.py in every
+    process: DeepSpeed's own probe lists its CPU shm all-reduce op as buildable, the hook
+    marks it not, so ``build_shm_op`` returns None; and none of the launches before this test
+    (ZeRO-0..3 cases, accelerate, the report, the GPU kit's stacks stage) built it."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.harness import ROOT
+
+    if importlib.util.find_spec("fsdp_retain_ci_no_shm_op") is None:
+        pytest.skip("not CI's DeepSpeed venv (scripts/venv_ci.sh deepspeed installs the hook)")
+    code = (
+        "import sys, deepspeed.ops\n"
+        "from deepspeed.comm.torch import build_shm_op\n"
+        "assert 'fsdp_retain_ci_no_shm_op' in sys.modules\n"
+        "print(deepspeed.ops._probe_compatible_ops()['deepspeed_shm_comm'],\n"
+        "      deepspeed.ops.__compatible_ops__['deepspeed_shm_comm'], build_shm_op())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.split()[-3:] == ["True", "False", "None"], proc.stdout
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if extensions and os.path.isdir(extensions):
+        assert not [d for d in os.listdir(extensions) if "shm" in d], os.listdir(extensions)
