@@ -664,6 +664,11 @@ def test_gradient_projector_matches_per_sequence_gradients():
 # Each pair of (api, fsdp, wrap) values meets once.
 LIGHTNING = [("trainer", 1, "lightning"), ("trainer", 2, "user"), ("fabric", 1, "user"),
              ("fabric", 2, "user")]
+# The first starts its second rank through Lightning, as the example's docstring runs it;
+# the other runs are in the session's batch of example runs, whose 2 ranks are started for
+# Lightning (LOCAL_RANK set, as torchrun does), so it starts none: the same script and
+# steps, its imports paid once (a run of its own: about 19 s in CI, most of it importing).
+OWN_LAUNCH = LIGHTNING[0]
 
 
 def _lightning(api: str, fsdp: int, wrap: str, *extra: str) -> subprocess.CompletedProcess:
@@ -674,20 +679,45 @@ def _lightning(api: str, fsdp: int, wrap: str, *extra: str) -> subprocess.Comple
                 env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
 
 
+def _lightning_run(*args: str) -> ExampleRun | None:
+    """The batch's run of these arguments (None where lightning is missing: the test skips)."""
+    if not importlib.util.find_spec("lightning"):
+        return None
+    return ExampleRun("lightning_manual.py", args, count_blocks=False)
+
+
+def _lightning_batched(api: str, fsdp: int, wrap: str) -> ExampleRun | None:
+    if (api, fsdp, wrap) == OWN_LAUNCH:
+        return None
+    return _lightning_run("--api", api, "--fsdp", str(fsdp), "--wrap", wrap)
+
+
+def _lightning_result(example_batch, run: ExampleRun | None, *args) -> subprocess.CompletedProcess:
+    return _lightning(*args) if run is None else example_batch.result(run)
+
+
 @pytest.mark.parametrize("api,fsdp,wrap", LIGHTNING)
-def test_lightning_manual(api, fsdp, wrap):
+@batched(_lightning_batched)
+def test_lightning_manual(api, fsdp, wrap, example_batch):
     """lightning_manual.py, Lightning on 2 CPU ranks (its FSDP1 strategies subclassed
     with device_id=cpu): two manual_backward passes per step, 3 steps, every parameter
     within 1e-6 of the one-process reference; with Lightning's own FSDP1 wrapping the
     block opens inside the root's forward."""
-    out = _check_ok(_lightning(api, fsdp, wrap))
+    run = _lightning_batched(api, fsdp, wrap)
+    out = _check_ok(_lightning_result(example_batch, run, api, fsdp, wrap))
     assert _number(r"PARITY max_diff=(\S+)", out) < 1e-6
 
 
-def test_lightning_manual_plain_fsdp1_fails():
+def _lightning_plain_fsdp1() -> ExampleRun | None:
+    return _lightning_run("--api", "trainer", "--fsdp", "1", "--wrap", "lightning", "--no-library")
+
+
+@batched(_lightning_plain_fsdp1)
+def test_lightning_manual_plain_fsdp1_fails(example_batch):
     """The same Trainer step without the block, Lightning's FSDP1 wrapping: FSDP1 refuses
     a backward inside its root's forward (Lightning issue #19685)."""
-    proc = _lightning("trainer", 1, "lightning", "--no-library")
+    proc = _lightning_result(example_batch, _lightning_plain_fsdp1(), "trainer", 1, "lightning",
+                             "--no-library")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "agreement" not in proc.stdout

@@ -8,9 +8,10 @@ its ranks import once what the runs' scripts import, then fork a process per run
 fresh process state it would have had alone (the Trainer's and accelerate's singletons,
 DeepSpeed's communication backend, a shim's patches end with it) for the price of a fork.
 A run that fails, on one rank or both, is reported as its own and the batch goes on. The
-examples that start their ranks through a launcher (``accelerate launch``, Lightning's own,
-torchrun for the README's command) or test the command line itself (a package missing)
-keep a launch of their own.
+runs that test a launcher (``accelerate launch``, one of Lightning's own, torchrun for the
+README's command) or the command line itself (a package missing) keep a launch of their
+own. Lightning's other runs are in the batch: its ranks are started for Lightning
+(``LOCAL_RANK`` set), so Lightning starts none.
 """
 
 from __future__ import annotations
@@ -273,7 +274,9 @@ BATCHED: dict[Callable, Callable[..., ExampleRun]] = {}
 _session: ExampleBatch | None = None
 
 
-def batched(plan: Callable[..., ExampleRun]):
+def batched(plan: Callable[..., ExampleRun | None]):
+    """The test's run in the session's batch: ``plan`` takes the test's parameters by name
+    and gives its run, or None where the test starts its own."""
     def register(test):
         BATCHED[test] = plan
         return test
@@ -289,7 +292,9 @@ def plan_session(items: list) -> None:
             continue
         callspec = getattr(item, "callspec", None)
         params = callspec.params if callspec is not None else {}
-        runs.append(plan(**{name: params[name] for name in inspect.signature(plan).parameters}))
+        run = plan(**{name: params[name] for name in inspect.signature(plan).parameters})
+        if run is not None:  # None: the test starts its own
+            runs.append(run)
     _session = ExampleBatch(runs) if runs else None
 
 
