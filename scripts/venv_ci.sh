@@ -10,8 +10,8 @@
 #                                                      # (installs first if it is missing)
 #
 # deepspeed: every stack that runs a DeepSpeed engine, in one venv and one pytest session
-# (so its case modules share one launch per world size, and DeepSpeed's CPU op is built
-# once): tests/deepspeed/test_deepspeed.py (ZeRO-0 to 3, the seams grid, the Trainer and
+# (so its case modules share one launch per world size; DeepSpeed's CPU shm op, for
+# inference alone, is never built: scripts/deepspeed_no_shm_op.py): tests/deepspeed/test_deepspeed.py (ZeRO-0 to 3, the seams grid, the Trainer and
 # accelerate examples), tests/clients/test_lightning_deepspeed.py (Lightning's
 # DeepSpeedStrategy), tests/clients/test_trl.py (TRL's SFTTrainer, DDP and ZeRO-2) and
 # tests/clients/test_sentence_transformers.py (examples/sentence_transformers_cached.py:
