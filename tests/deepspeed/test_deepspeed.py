@@ -7,11 +7,14 @@ Skipped when deepspeed is not installed (it is an optional extra:
 ``DS_BUILD_OPS=0 pip install '.[deepspeed]'`` from a clone); CI runs it in its own venv.
 """
 
+import os
+
 import pytest
 
 pytest.importorskip("deepspeed", reason="deepspeed not installed (the deepspeed extra)")
 pytest.importorskip("transformers", reason="the DeepSpeed cases use a tiny transformers Qwen2")
 
+from tests.support import background  # noqa: E402
 from tests.support.examples import ExampleRun, batched, session_batch  # noqa: E402
 from tests.support.harness import case_tests  # noqa: E402
 
@@ -63,13 +66,28 @@ def test_accelerate_zero3_refuses_cpu_without_shim():
     assert "agreement" not in proc.stdout
 
 
-def test_report_zero3_rows(tmp_path):
-    """The report's deepspeed backend: memory and collectives per mode; plain DeepSpeed fails."""
-    from fsdp_retain.report import ReportConfig, run_report
+@background.starts_early("zero3_report_run")
+def _start_report() -> background.BackgroundRun:
+    from tests.report.report_runs import start_report
 
-    cfg = ReportConfig(backends=("deepspeed",), size="tiny", warmup=1, steps=3,
-                       out=str(tmp_path), timeout=600, command="tests/deepspeed/test_deepspeed.py")
-    rows = {r["label"]: r for r in run_report(cfg)["rows"]}
+    return start_report("report_zero3_", backends=("deepspeed",), size="tiny", warmup=1,
+                        steps=3, timeout=600, command="tests/deepspeed/test_deepspeed.py")
+
+
+@pytest.fixture
+def zero3_report_run():
+    from tests.report.report_runs import taken
+
+    with taken("zero3_report_run") as run:
+        yield run
+
+
+def test_report_zero3_rows(zero3_report_run):
+    """The report's deepspeed backend: memory and collectives per mode; plain DeepSpeed fails.
+    Its run starts when the tests are collected (tests/report/report_runs.py)."""
+    from tests.report.report_runs import returned_report
+
+    rows = {r["label"]: r for r in returned_report(zero3_report_run[0])["rows"]}
     assert "size of tensor a (0)" in rows["naive"]["error"], rows["naive"]
     for label in ("two_forward", "keep:every", "keep:last", "probe:every", "regather:every"):
         assert rows[label]["ok"], rows[label]
@@ -160,23 +178,45 @@ def test_hf_trainer_deepspeed_plain(stage):
         assert "size of tensor a (0)" in out and "agreement" not in proc.stdout, out[-4000:]
 
 
-def test_gpu_kit_stacks_stage_with_deepspeed(tmp_path):
+@background.starts_early("kit_stacks_run")
+def _start_kit_stacks() -> background.BackgroundRun:
+    """The kit's stacks stage, started when the tests are collected: one rank's processes
+    one after another, beside the case launches (tests/support/background.py)."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from tests.support.harness import ROOT
+
+    out = Path(tempfile.mkdtemp(prefix="gpu_validate_ds_")) / "results"
+    return background.BackgroundRun(
+        ["bash", str(ROOT / "scripts" / "gpu_validate.sh"), "--dry-run", "--nproc", "1",
+         "--out", str(out), "--stage", "stacks", "summary"],
+        payload=out, cwd=ROOT, env=dict(os.environ, PYTHON=sys.executable))
+
+
+@pytest.fixture
+def kit_stacks_run():
+    import shutil
+
+    from tests.support.harness import timeout_scale
+
+    run = background.take("kit_stacks_run")
+    try:
+        yield run.result(timeout=600 * timeout_scale()), run.payload
+    finally:
+        run.kill()
+        shutil.rmtree(run.payload.parent, ignore_errors=True)
+
+
+def test_gpu_kit_stacks_stage_with_deepspeed(kit_stacks_run):
     """The GPU kit's stacks stage where deepspeed is installed (the default venv's dry run,
     tests/repo/test_gpu_validate.py, has none): a dry run on one CPU rank runs the DDP and
     ZeRO-2/3 parity cases of tests/repo/cases_device_stacks.py and the report's ddp and
     deepspeed runs, each with its one_pass row against one_backward."""
     import json
-    import subprocess
-    import sys
 
-    from tests.support.harness import ROOT, timeout_scale
-
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_validate.sh"), "--dry-run", "--nproc", "1",
-         "--out", str(out), "--stage", "stacks", "summary"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600 * timeout_scale(),
-        env=dict(__import__("os").environ, PYTHON=sys.executable))
+    proc, out = kit_stacks_run
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     parity = json.loads((out / "stacks_parity.json").read_text())
     assert parity["failed"] == parity["skipped"] == 0 and parity["passed"] == 6, parity

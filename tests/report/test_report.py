@@ -2,7 +2,8 @@
 
 One launch runs both backends (fsdp2, fsdp1) and the seven default modes (two_forward,
 naive, keep:every, keep:last, probe:every, check:every, regather:every) with 1 warm-up and
-3 timed steps; the tests read the returned report and the files it wrote.
+3 timed steps (``run_report``, in a process started when the tests are collected:
+tests/report/report_runs.py); the tests read the returned report and the files it wrote.
 A second run of the script (a subprocess) simulates the same 2 ranks with a
 fake process group and is compared with the real run; a third simulates the
 same model from a config.json (--model-config) and is compared with the second.
@@ -24,6 +25,8 @@ import pytest
 from fsdp_retain.report import DEFAULT_MODES, Mode, ReportConfig, run_report
 from fsdp_retain.report._modes import KEEP_SLACK, REGATHER_SLACK
 from fsdp_retain.report._rows import BREAKDOWN_KEYS, Report, ReportRow
+from tests.report.report_runs import returned_report, start_report, taken
+from tests.support import background
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ("fsdp2", "fsdp1")
@@ -46,12 +49,23 @@ def conforms(value, hint) -> bool:
     return isinstance(value, (int, float) if hint is float else hint)
 
 
+@background.starts_early("report_run")
+def _start_report() -> background.BackgroundRun:
+    return start_report("report_", backends=BACKENDS, size="tiny", warmup=1, steps=3,
+                        timeout=600, command="tests/report/test_report.py")
+
+
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("report")
-    cfg = ReportConfig(backends=BACKENDS, size="tiny", warmup=1, steps=3, out=str(out),
-                       timeout=600, command="tests/report/test_report.py")
-    return run_report(cfg), out
+def report(report_run):
+    """(what run_report returned, its folder)."""
+    proc, out = report_run
+    return returned_report(proc), out
+
+
+@pytest.fixture(scope="module")
+def report_run():
+    with taken("report_run") as run:
+        yield run
 
 
 def rows_of(report, backend=None, mode=None):

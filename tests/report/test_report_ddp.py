@@ -10,9 +10,6 @@ change keep_unsharded or reshard_to are n/a; all-reduces per step follow a formu
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,23 +17,31 @@ from fsdp_retain.report import ReportConfig
 from fsdp_retain.report._figures import error_text
 from fsdp_retain.report._results import unexpected_failures
 from fsdp_retain.report._rows import ReportRow
+from tests.report.report_runs import start_command, taken
+from tests.support import background
 
-ROOT = Path(__file__).resolve().parents[2]
 RAN = ("two_forward", "keep:every", "keep:last", "probe:every", "probe:last", "check:every",
        "check:last")
 NOT_APPLICABLE = ("regather:every", "keep25:every", "regather_node:every")
 MODES = (*RAN[:1], "naive", *RAN[1:], *NOT_APPLICABLE, "fsdp2_recipe:every")
 
 
+@background.starts_early("ddp_report_run")
+def _start_report() -> background.BackgroundRun:
+    return start_command("report_ddp_", "--backend", "ddp", "--size", "tiny", "--warmup", "1",
+                         "--steps", "3", "--ddp-bucket-cap-mb", "0.25", "--node-size", "2",
+                         "--timeout", "300", "--modes", *MODES)
+
+
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("report_ddp")
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_retain.report", "--backend", "ddp", "--size", "tiny",
-         "--warmup", "1", "--steps", "3", "--ddp-bucket-cap-mb", "0.25", "--node-size", "2",
-         "--timeout", "300", "--modes", *MODES, "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
+def ddp_report_run():
+    with taken("ddp_report_run", timeout=300) as run:
+        yield run
+
+
+@pytest.fixture(scope="module")
+def report(ddp_report_run):
+    proc, out = ddp_report_run
     # 0: the naive row's wrong gradients and the n/a rows are expected, not failures.
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads((out / "report.json").read_text())

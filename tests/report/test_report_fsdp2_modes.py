@@ -5,29 +5,42 @@ One launch runs fsdp2 and fsdp1 with ``fsdp2_recipe`` (FSDP2 alone, pytorch #172
 sync off for the first; ``accum_gathered`` with the user's
 ``set_reshard_after_backward(False)`` on every unit), the ``keep`` rows they compare
 with, and ``two_forward`` last (its counts show the recipe put FSDP2's defaults back).
-1 warm-up and 3 timed steps. Kept apart from ``test_report.py`` (a launch of its own).
+1 warm-up and 3 timed steps. Kept apart from ``test_report.py`` (a launch of its own, in
+a process started when the tests are collected: tests/report/report_runs.py).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from fsdp_retain.report import ReportConfig, run_report
 from fsdp_retain.report._modes import mode_legend
 from fsdp_retain.report._results import unexpected_failures
+from tests.report.report_runs import returned_report, start_report, taken
+from tests.support import background
 
 MODES = ("keep:every", "keep:last", "fsdp2_recipe:every", "fsdp2_recipe:last",
          "accum:every", "accum_gathered:every", "accum_gathered:last", "two_forward")
 NEW = ("fsdp2_recipe", "accum", "accum_gathered")
 
 
+@background.starts_early("fsdp2_modes_report_run")
+def _start_report() -> background.BackgroundRun:
+    return start_report("report_fsdp2_modes_", backends=("fsdp2", "fsdp1"), modes=MODES,
+                        size="tiny", warmup=1, steps=3, timeout=600,
+                        command="tests/report/test_report_fsdp2_modes.py")
+
+
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("report")
-    cfg = ReportConfig(backends=("fsdp2", "fsdp1"), modes=MODES, size="tiny", warmup=1,
-                       steps=3, out=str(out), timeout=600,
-                       command="tests/report/test_report_fsdp2_modes.py")
-    return run_report(cfg), out
+def fsdp2_modes_report_run():
+    with taken("fsdp2_modes_report_run") as run:
+        yield run
+
+
+@pytest.fixture(scope="module")
+def report(fsdp2_modes_report_run):
+    """(what run_report returned, its folder)."""
+    proc, out = fsdp2_modes_report_run
+    return returned_report(proc), out
 
 
 def row(report, backend, label):

@@ -5,8 +5,6 @@ fake process group, one process) whose all-gathers are split by the size of thei
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,8 @@ import pytest
 from fsdp_retain.report._cli import parse_args
 from fsdp_retain.report._config import ReportConfig
 from fsdp_retain.report._modes import Mode, mode_legend
+from tests.report.report_runs import returned_report, start_command, start_report, taken
+from tests.support import background
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ["two_forward", "keep:every", "regather:every", "regather_node:every"]
@@ -70,16 +70,24 @@ def test_regather_node_passes_node_size_as_reshard_to():
     assert "reshard_to=<--node-size>" in mode_legend("regather_node:every")
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
+@background.starts_early("node_report_run")
+def _start_node_report() -> background.BackgroundRun:
     """Tiny preset, batch 1 x 16 (the parameters outweigh the activations), 8 simulated
     ranks in nodes of 4."""
-    out = tmp_path_factory.mktemp("node")
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_retain.report", "--size", "tiny", "--batch", "1",
-         "--seq-len", "16", "--simulate-world-size", "8", "--node-size", "4",
-         "--backend", "fsdp2", "--modes", *MODES, "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return start_command("report_node_", "--size", "tiny", "--batch", "1", "--seq-len", "16",
+                         "--simulate-world-size", "8", "--node-size", "4", "--backend", "fsdp2",
+                         "--modes", *MODES)
+
+
+@pytest.fixture(scope="module")
+def node_report_run():
+    with taken("node_report_run", timeout=300) as run:
+        yield run
+
+
+@pytest.fixture(scope="module")
+def report(node_report_run):
+    proc, out = node_report_run
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     data = json.loads((out / "report.json").read_text())
     return data, {r["label"]: r for r in data["rows"]}, (out / "report.md").read_text()
@@ -139,18 +147,27 @@ def test_committed_70b_on_64_ranks_fits_with_no_inter_node_all_gathers():
     assert rows["regather:every"]["inter_node_all_gather_bytes_between_passes"] > 0
 
 
-def test_fsdp1_hybrid_shard_launch_gathers_inside_the_node(tmp_path):
+@background.starts_early("hybrid_report_run")
+def _start_hybrid_report() -> background.BackgroundRun:
+    return start_report("report_hybrid_", backends=("fsdp1",), size="tiny", nproc=4,
+                        node_size=2, fsdp1_sharding="HYBRID_SHARD", warmup=1, steps=2,
+                        timeout=300, modes=("two_forward", "keep:every", "regather_node:every"))
+
+
+@pytest.fixture
+def hybrid_report_run():
+    with taken("hybrid_report_run", timeout=300) as run:
+        yield run
+
+
+def test_fsdp1_hybrid_shard_launch_gathers_inside_the_node(hybrid_report_run):
     """--fsdp1-sharding HYBRID_SHARD on 4 real gloo ranks in nodes of 2: FSDP1 sharded over
     groups of 2 ranks, so every all-gather (the forward's too) is on a group of 2; the
     block's reshard_to=2 (regather_node) runs there, with 0 inter-node bytes between
     passes. (The gradients of HYBRID_SHARD under the block are checked for parity in
     tests/options/cases_reshard_to_fsdp1.py.)"""
-    from fsdp_retain.report import run_report
-
-    cfg = ReportConfig(backends=("fsdp1",), size="tiny", nproc=4, node_size=2,
-                       fsdp1_sharding="HYBRID_SHARD", warmup=1, steps=2, out=str(tmp_path),
-                       timeout=300, modes=("two_forward", "keep:every", "regather_node:every"))
-    data = run_report(cfg)
+    proc, out = hybrid_report_run
+    data = returned_report(proc)
     assert data["config"]["fsdp1_sharding"] == "HYBRID_SHARD"
     rows = {r["label"]: r for r in data["rows"]}
     for label, row in rows.items():
@@ -159,7 +176,7 @@ def test_fsdp1_hybrid_shard_launch_gathers_inside_the_node(tmp_path):
         assert row["inter_node_all_gather_bytes_between_passes"] == 0, row
     assert (rows["regather_node:every"]["all_gathers_per_step"]
             > rows["keep:every"]["all_gathers_per_step"])
-    assert "`HYBRID_SHARD` over shard groups of 2 ranks" in (tmp_path / "report.md").read_text()
+    assert "`HYBRID_SHARD` over shard groups of 2 ranks" in (out / "report.md").read_text()
 
 
 def test_regather_node_on_fsdp1_full_shard_names_hybrid_shard(tmp_path):

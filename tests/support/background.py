@@ -9,18 +9,27 @@ it when a selected test uses that fixture (``plan_session``, from tests/conftest
 the fixture takes the started run (``take``) or, where the session did not start one (a
 fixture asked for outside such a session), starts it then. Whatever a session started and
 no test took is killed when the session ends (``stop_all``).
+
+The session keeps ``AT_ONCE`` of them going at a time, in the order their modules were
+collected (the order their tests run in), the next started as one ends: the report's runs
+(2-4 ranks each, each rank about 1 GB with transformers) all at once beside the tests' own
+launches would have held the memory and cores of a dozen processes. One a fixture takes
+before its turn starts then.
 """
 
 from __future__ import annotations
 
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 STARTERS: dict[str, Callable[[], BackgroundRun]] = {}
-_started: dict[str, BackgroundRun] = {}
+AT_ONCE = 2
+_started: dict[str, _Planned] = {}
+_lock = threading.Lock()
 
 
 class BackgroundRun:
@@ -54,10 +63,35 @@ class BackgroundRun:
             file.close()
         return subprocess.CompletedProcess(self.argv, code, *outputs)
 
+    def running(self) -> bool:
+        return self._proc.poll() is None
+
     def kill(self) -> None:
         if self._proc.poll() is None:
             self._proc.kill()
         self._proc.wait()
+
+
+class _Planned:
+    """A run the session planned: started in its turn (``run`` set), or by ``take`` before
+    it, or never (``dropped``: taken or stopped before its turn)."""
+
+    def __init__(self, starter: Callable[[], BackgroundRun]) -> None:
+        self.starter = starter
+        self.run: BackgroundRun | None = None
+        self.dropped = False
+
+
+def _start_in_turn(planned: list[_Planned]) -> None:
+    going: list[BackgroundRun] = []
+    for plan in planned:
+        while len(going := [run for run in going if run.running()]) >= AT_ONCE:
+            time.sleep(0.2)
+        with _lock:
+            if plan.dropped:
+                continue
+            plan.run = plan.starter()
+            going.append(plan.run)
 
 
 def starts_early(fixture: str) -> Callable[[Callable[[], BackgroundRun]], Callable[[], BackgroundRun]]:
@@ -73,17 +107,31 @@ def starts_early(fixture: str) -> Callable[[Callable[[], BackgroundRun]], Callab
 def plan_session(items: list) -> None:
     """Starts each registered run that a selected test's fixtures use."""
     used = {name for item in items for name in getattr(item, "fixturenames", ())}
+    planned = []
     for fixture, starter in STARTERS.items():
         if fixture in used and fixture not in _started:
-            _started[fixture] = starter()
+            _started[fixture] = _Planned(starter)
+            planned.append(_started[fixture])
+    if planned:
+        threading.Thread(target=_start_in_turn, args=(planned,), daemon=True).start()
 
 
 def take(fixture: str) -> BackgroundRun:
-    """The run the session started for ``fixture``, or one started now."""
-    run = _started.pop(fixture, None)
-    return run if run is not None else STARTERS[fixture]()
+    """The run the session started for ``fixture``, or one started now (none planned, or
+    its turn not come)."""
+    plan = _started.pop(fixture, None)
+    with _lock:
+        if plan is not None and plan.run is not None:
+            return plan.run
+        if plan is not None:
+            plan.dropped = True
+        return STARTERS[fixture]()
 
 
 def stop_all() -> None:
-    while _started:
-        _started.popitem()[1].kill()
+    with _lock:
+        while _started:
+            plan = _started.popitem()[1]
+            plan.dropped = True
+            if plan.run is not None:
+                plan.run.kill()

@@ -51,5 +51,36 @@ def test_started_at_collection_taken_or_killed(tmp_path, monkeypatch):
     assert background.take("used").result(timeout=30).stdout == "done\n"
     left = background._started["left"]
     background.stop_all()
-    assert left._proc.returncode is not None and left._proc.returncode < 0
+    assert left.run._proc.returncode is not None and left.run._proc.returncode < 0
     assert background._started == {}
+
+
+def test_at_most_two_at_once_in_order(tmp_path, monkeypatch):
+    """Three planned runs: the first two start at once, the third when one of them ends;
+    one taken before its turn starts then, and its turn starts nothing."""
+    monkeypatch.setattr(background, "STARTERS", {})
+    monkeypatch.setattr(background, "_started", {})
+    starts: list[str] = []
+
+    def starter(name: str, code: str):
+        def start():
+            starts.append(name)
+            return _python(code)
+        return start
+
+    release = tmp_path / "release"
+    wait = f"import os, time\nwhile not os.path.exists({str(release)!r}): time.sleep(0.05)"
+    for name in ("first", "second"):
+        background.starts_early(name)(starter(name, wait))
+    background.starts_early("third")(starter("third", "print('third')"))
+    background.starts_early("fourth")(starter("fourth", "print('fourth')"))
+    background.plan_session([SimpleNamespace(fixturenames=["first", "second", "third", "fourth"])])
+    time.sleep(1.0)
+    assert starts == ["first", "second"]  # the third waits for a free turn
+    assert background.take("fourth").result(timeout=30).stdout == "fourth\n"  # before its turn
+    release.touch()
+    assert background.take("third").result(timeout=30).stdout == "third\n"
+    for name in ("first", "second"):
+        assert background.take(name).result(timeout=30).returncode == 0
+    assert starts == ["first", "second", "fourth", "third"]  # the fourth's turn started none
+    background.stop_all()
