@@ -7,6 +7,8 @@ Skipped when deepspeed is not installed (it is an optional extra:
 ``DS_BUILD_OPS=0 pip install '.[deepspeed]'`` from a clone); CI runs it in its own venv.
 """
 
+import functools
+import importlib.util
 import os
 
 import pytest
@@ -15,7 +17,9 @@ pytest.importorskip("deepspeed", reason="deepspeed not installed (the deepspeed 
 pytest.importorskip("transformers", reason="the DeepSpeed cases use a tiny transformers Qwen2")
 
 from tests.support import background  # noqa: E402
-from tests.support.examples import ExampleRun, batched, session_batch  # noqa: E402
+from tests.support.examples import (  # noqa: E402
+    EXAMPLES, ExampleRun, accelerate_result, batched, session_batch, start_accelerate,
+)
 from tests.support.harness import case_tests  # noqa: E402
 
 
@@ -25,15 +29,27 @@ case_tests(globals(), "tests.real_stacks.cases_real_stacks_ds_kernels",
 case_tests(globals(), "tests.deepspeed.cases_deepspeed_hpz", {"test_deepspeed_hpz": (4, 600)})
 
 
+# The accelerate launches (accelerate's own launcher, what these tests test), started when
+# the tests are collected, beside the case launches (tests/support/background.py).
+_TRAIN = str(EXAMPLES / "accelerate" / "train.py")
+if importlib.util.find_spec("accelerate") is not None:
+    for _stage, _test in ((3, "test_accelerate_zero3_train"), (1, "test_accelerate_zero1_train")):
+        background.starts_early(f"accelerate zero{_stage}.yaml", when=_test)(
+            functools.partial(start_accelerate, f"zero{_stage}.yaml",
+                              str(EXAMPLES / "accelerate_cpu_fsdp.py"), _TRAIN))
+    background.starts_early("accelerate zero3.yaml, no shim",
+                            when="test_accelerate_zero3_refuses_cpu_without_shim")(
+        functools.partial(start_accelerate, "zero3.yaml", _TRAIN))
+
+
 def _accelerate_deepspeed_train(stage: int, clip: str) -> None:
     """accelerate launch zero{stage}.yaml (2 CPU ranks via the shim), gradient accumulation 2
     inside accelerator.accumulate, fsdp_retain.integrations.accelerate.retaining: the engine
     steps after the block at the boundary (8 steps)."""
     pytest.importorskip("accelerate", reason="the accelerate example needs accelerate")
-    from tests.docs.test_examples import CPU_FSDP, EXAMPLES, _accelerate, _check_ok, _number
+    from tests.docs.test_examples import _check_ok, _number
 
-    proc = _accelerate(f"zero{stage}.yaml", CPU_FSDP, str(EXAMPLES / "accelerate" / "train.py"))
-    out = _check_ok(proc)
+    out = _check_ok(accelerate_result(f"accelerate zero{stage}.yaml"))
     assert (
         f"accelerate: DEEPSPEED (zero_stage {stage}), 2 processes on cpu, "
         "gradient_accumulation_steps 2; model Net"
@@ -57,9 +73,7 @@ def test_accelerate_zero1_train():
 def test_accelerate_zero3_refuses_cpu_without_shim():
     """On CPU accelerate gives every DeepSpeed rank a world of its own; the example refuses."""
     pytest.importorskip("accelerate", reason="the accelerate example needs accelerate")
-    from tests.docs.test_examples import EXAMPLES, _accelerate
-
-    proc = _accelerate("zero3.yaml", str(EXAMPLES / "accelerate" / "train.py"))
+    proc = accelerate_result("accelerate zero3.yaml, no shim")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "error: accelerate set up DEEPSPEED with 1 process(es)" in out, out[-4000:]

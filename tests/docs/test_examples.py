@@ -77,13 +77,15 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.support import background
 from tests.support.examples import (
-    COUNT_BLOCKS, EXAMPLES, TIMEOUT, ExampleBatch, ExampleRun, batched, session_batch,
+    COUNT_BLOCKS, EXAMPLES, TIMEOUT, ExampleBatch, ExampleRun, accelerate_result, batched,
+    session_batch, start_accelerate,
 )
 from tests.support.examples import free_port as _free_port
 from tests.support.examples import run as _run
 from tests.support.examples import torchrun as _torchrun
-from tests.support.harness import ROOT, recorded_launch, run_retrying_exit_abort
+from tests.support.harness import ROOT, run_retrying_exit_abort
 
 CPU_FSDP = str(ROOT / "examples" / "accelerate_cpu_fsdp.py")
 
@@ -93,12 +95,24 @@ def example_batch() -> ExampleBatch:
     return session_batch()
 
 
-def _accelerate(config: str, *script: str, env: dict[str, str] | None = None):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
-    cmd += ["--config_file", str(EXAMPLES / "accelerate" / config)]
-    cmd += ["--main_process_port", str(_free_port())]
-    with recorded_launch(f"accelerate launch {config} {os.path.basename(script[-1])}", 2):
-        return _run(cmd + list(script), env)
+ACCELERATE_TRAIN = str(EXAMPLES / "accelerate" / "train.py")
+
+
+def _early_accelerate(test: str, name: str, config: str, *script: str,
+                      env: dict[str, str] | None = None) -> None:
+    """``test``'s accelerate launch (``accelerate_result(name)``), started when the tests are
+    collected, beside the case launches (tests/support/background.py)."""
+    background.starts_early(name, when=test)(
+        lambda: start_accelerate(config, *script, env=env))
+
+
+for _config in ("fsdp2.yaml", "fsdp1.yaml"):
+    _early_accelerate("test_accelerate_train", f"accelerate {_config}", _config, CPU_FSDP,
+                      COUNT_BLOCKS, ACCELERATE_TRAIN)
+_early_accelerate("test_accelerate_train_ddp", "accelerate ddp.yaml", "ddp.yaml", COUNT_BLOCKS,
+                  ACCELERATE_TRAIN, env={"ACCELERATE_USE_CPU": "1"})
+_early_accelerate("test_accelerate_train_refuses_no_accelerator",
+                  "accelerate fsdp2.yaml, no shim", "fsdp2.yaml", ACCELERATE_TRAIN)
 
 
 def _number(pattern: str, out: str) -> float:
@@ -266,8 +280,7 @@ def test_sentence_transformers_example_names_its_extra():
 )
 def test_accelerate_train(config, version, wrapper):
     """accelerate launch (fsdp{2,1}.yaml, 2 CPU ranks via the shim), gradient accumulation 2."""
-    proc = _accelerate(config, CPU_FSDP, COUNT_BLOCKS, str(EXAMPLES / "accelerate" / "train.py"))
-    out = _check_ok(proc)
+    out = _check_ok(accelerate_result(f"accelerate {config}"))
     # accelerate wrapped the model itself: 3 Blocks from the config's wrap policy + the root.
     units = 3 + 1
     assert (
@@ -290,9 +303,7 @@ def test_accelerate_train_ddp():
     wraps the model in DDP (MULTI_CPU), gradient accumulation 2; the block all-reduces
     both passes of every syncing micro-batch, and training matches an unwrapped
     single-process replay."""
-    proc = _accelerate("ddp.yaml", COUNT_BLOCKS, str(EXAMPLES / "accelerate" / "train.py"),
-                       env={"ACCELERATE_USE_CPU": "1"})
-    out = _check_ok(proc)
+    out = _check_ok(accelerate_result("accelerate ddp.yaml"))
     assert ("accelerate: DDP (MULTI_CPU), 2 processes on cpu, gradient_accumulation_steps 2; "
             "model DistributedDataParallel around Net") in out, out
     micro_batches, accumulation = 16, 2
@@ -309,7 +320,7 @@ def test_accelerate_train_ddp():
 def test_accelerate_train_refuses_no_accelerator():
     """No accelerator, no ACCELERATE_USE_CPU: accelerate falls back to independent
     processes (NO); the example refuses, naming the commands that work."""
-    proc = _accelerate("fsdp2.yaml", str(EXAMPLES / "accelerate" / "train.py"))
+    proc = accelerate_result("accelerate fsdp2.yaml, no shim")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "error: accelerate set up NO with 1 process(es)" in out, out[-4000:]

@@ -4,10 +4,10 @@ one rank, about a minute of CPU). Started early, it runs beside the rank launche
 tests before it, on the core their ranks leave idle while they wait on each other; left to
 its turn near the session's end, it ran alone there with a core idle (CI's last minutes).
 
-A module registers a starter for one of its fixtures (``starts_early``); the session starts
-it when a selected test uses that fixture (``plan_session``, from tests/conftest.py), and
-the fixture takes the started run (``take``) or, where the session did not start one (a
-fixture asked for outside such a session), starts it then. Whatever a session started and
+A module registers a starter for one of its fixtures or tests (``starts_early``); the
+session starts it when a selected test uses that fixture or is that test (``plan_session``,
+from tests/conftest.py), and the fixture or test takes the started run (``take``) or, where
+the session did not start one (asked for outside such a session), starts it then. Whatever a session started and
 no test took is killed when the session ends (``stop_all``).
 
 The session keeps ``AT_ONCE`` of them going at a time, in the order their modules were
@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 STARTERS: dict[str, Callable[[], BackgroundRun]] = {}
+_WHEN: dict[str, str] = {}  # a starter's name -> the fixture or test function it is for
 AT_ONCE = 2
 _started: dict[str, _Planned] = {}
 _lock = threading.Lock()
@@ -35,7 +36,8 @@ _lock = threading.Lock()
 class BackgroundRun:
     """``subprocess.run(argv, capture_output=True, text=True, ...)`` started now and read
     later (``result``); its output goes to files, so a run nobody reads yet never blocks on
-    a full pipe. ``payload`` is the starter's (where the run writes)."""
+    a full pipe. ``payload`` is the starter's (where the run writes); ``seconds``, once read,
+    how long it ran."""
 
     def __init__(self, argv: list[str], *, payload: Any = None, **popen: Any) -> None:
         self.argv, self.payload = argv, payload
@@ -45,6 +47,12 @@ class BackgroundRun:
         self.seconds: float | None = None
         self._proc = subprocess.Popen(argv, stdout=self._out, stderr=self._err, text=True,
                                       **popen)
+        self._ended: float | None = None  # when it ended, not when it was read
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        self._proc.wait()
+        self._ended = time.monotonic()
 
     def result(self, timeout: float) -> subprocess.CompletedProcess:
         """Waits for the run (``timeout`` seconds from its start); kills it and raises
@@ -55,7 +63,7 @@ class BackgroundRun:
         except subprocess.TimeoutExpired:
             self.kill()
             raise
-        self.seconds = time.monotonic() - self.started
+        self.seconds = (self._ended or time.monotonic()) - self.started
         outputs = []
         for file in (self._out, self._err):
             file.seek(0)
@@ -94,38 +102,44 @@ def _start_in_turn(planned: list[_Planned]) -> None:
             going.append(plan.run)
 
 
-def starts_early(fixture: str) -> Callable[[Callable[[], BackgroundRun]], Callable[[], BackgroundRun]]:
-    """Registers the decorated function as ``fixture``'s starter."""
+def starts_early(name: str, *, when: str | None = None
+                 ) -> Callable[[Callable[[], BackgroundRun]], Callable[[], BackgroundRun]]:
+    """Registers the decorated function as the starter of the run ``take(name)`` gives:
+    started once the tests are collected where a selected test uses the fixture ``when``
+    or is the test function ``when`` (a test that starts a launch of its own; default:
+    the fixture ``name``)."""
 
     def register(starter: Callable[[], BackgroundRun]) -> Callable[[], BackgroundRun]:
-        STARTERS[fixture] = starter
+        STARTERS[name] = starter
+        _WHEN[name] = when or name
         return starter
 
     return register
 
 
 def plan_session(items: list) -> None:
-    """Starts each registered run that a selected test's fixtures use."""
+    """Starts each registered run that a selected test (its fixtures, or itself) uses."""
     used = {name for item in items for name in getattr(item, "fixturenames", ())}
+    used |= {getattr(item, "originalname", None) for item in items}
     planned = []
-    for fixture, starter in STARTERS.items():
-        if fixture in used and fixture not in _started:
-            _started[fixture] = _Planned(starter)
-            planned.append(_started[fixture])
+    for name, starter in STARTERS.items():
+        if _WHEN.get(name, name) in used and name not in _started:
+            _started[name] = _Planned(starter)
+            planned.append(_started[name])
     if planned:
         threading.Thread(target=_start_in_turn, args=(planned,), daemon=True).start()
 
 
-def take(fixture: str) -> BackgroundRun:
-    """The run the session started for ``fixture``, or one started now (none planned, or
+def take(name: str) -> BackgroundRun:
+    """The run the session started for ``name``, or one started now (none planned, or
     its turn not come)."""
-    plan = _started.pop(fixture, None)
+    plan = _started.pop(name, None)
     with _lock:
         if plan is not None and plan.run is not None:
             return plan.run
         if plan is not None:
             plan.dropped = True
-        return STARTERS[fixture]()
+        return STARTERS[name]()
 
 
 def stop_all() -> None:

@@ -10,8 +10,9 @@ DeepSpeed's communication backend, a shim's patches end with it) for the price o
 A run that fails, on one rank or both, is reported as its own and the batch goes on. The
 runs that test a launcher (``accelerate launch``, one of Lightning's own, torchrun for the
 README's command) or the command line itself (a package missing) keep a launch of their
-own. Lightning's other runs are in the batch: its ranks are started for Lightning
-(``LOCAL_RANK`` set), so Lightning starts none.
+own; accelerate's start when the session's tests are collected (``start_accelerate``,
+tests/support/background.py), beside the case launches. Lightning's other runs are in the
+batch: its ranks are started for Lightning (``LOCAL_RANK`` set), so Lightning starts none.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.support import background
 from tests.support.harness import (
-    ROOT, record_launch, recorded_launch, run_retrying_exit_abort, timeout_scale,
+    EXIT_ABORT, ROOT, record_launch, recorded_launch, run_retrying_exit_abort, timeout_scale,
 )
 from tests.support.harness import _free_port as free_port
 
@@ -134,6 +136,33 @@ def spawn_ranks(cmd: list[str], env: dict[str, str] | None,
     code = next((p.returncode for p in procs if p.returncode != 0), 0)
     return subprocess.CompletedProcess(cmd, code, "".join(t[0] for t in texts),
                                        "".join(t[1] for t in texts))
+
+
+def start_accelerate(config: str, *script: str, env: dict[str, str] | None = None
+                     ) -> background.BackgroundRun:
+    """``accelerate launch --config_file examples/accelerate/CONFIG SCRIPT...``, started now
+    (its launch is accelerate's own: what the tests that start it test); read it with
+    ``accelerate_result``."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    cmd += ["--config_file", str(EXAMPLES / "accelerate" / config)]
+    cmd += ["--main_process_port", str(free_port()), *script]
+    return background.BackgroundRun(cmd, payload=f"accelerate launch {config} "
+                                    f"{os.path.basename(script[-1])}", cwd=ROOT,
+                                    env=example_env(env))
+
+
+def accelerate_result(name: str) -> subprocess.CompletedProcess:
+    """The ``start_accelerate`` run registered as ``name`` (tests/support/background.py:
+    started when the tests are collected, or now), recorded in the launch log; started
+    again (up to 3 runs) only where it ended in gloo's exit-time abort, as
+    ``run_retrying_exit_abort`` does."""
+    for _ in range(3):
+        run = background.take(name)
+        proc = run.result(timeout=TIMEOUT)
+        record_launch(run.payload, 2, run.seconds or 0.0)
+        if proc.returncode == 0 or EXIT_ABORT not in proc.stdout + proc.stderr:
+            break
+    return proc
 
 
 @dataclasses.dataclass(frozen=True)

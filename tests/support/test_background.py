@@ -27,6 +27,13 @@ def test_output_kept_whole_and_exit_code():
     assert run.seconds is not None and run.seconds < 60
 
 
+def test_seconds_until_it_ended_not_until_read():
+    run = _python("pass")
+    time.sleep(3)
+    run.result(timeout=60)
+    assert run.seconds is not None and run.seconds < 2.5, run.seconds
+
+
 def test_timeout_kills_like_subprocess_run():
     run = _python("import time; time.sleep(60)")
     with pytest.raises(subprocess.TimeoutExpired):
@@ -37,6 +44,7 @@ def test_timeout_kills_like_subprocess_run():
 def test_started_at_collection_taken_or_killed(tmp_path, monkeypatch):
     monkeypatch.setattr(background, "STARTERS", {})
     monkeypatch.setattr(background, "_started", {})
+    monkeypatch.setattr(background, "_WHEN", {})
     marker = tmp_path / "started"
     background.starts_early("used")(
         lambda: _python(f"open({str(marker)!r}, 'w').close(); print('done')"))
@@ -60,6 +68,7 @@ def test_at_most_two_at_once_in_order(tmp_path, monkeypatch):
     one taken before its turn starts then, and its turn starts nothing."""
     monkeypatch.setattr(background, "STARTERS", {})
     monkeypatch.setattr(background, "_started", {})
+    monkeypatch.setattr(background, "_WHEN", {})
     starts: list[str] = []
 
     def starter(name: str, code: str):
