@@ -31,7 +31,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fsdp_retain import no_reshard_between_backwards
 from tests.support.harness import skip_case
-from tests.support.parity import LOSSES, rank, step_averaged
+from tests.support.parity import LOSSES, assert_close_dicts, rank, step_averaged
 
 
 _KINDS = {
@@ -190,10 +190,8 @@ def assert_close(
             error = (actual[name] - value).abs().max().item()
             scale = value.abs().max().item()
             assert error <= BF16_SCALE_TOL * scale + floor, f"{what}: {name}: error {error}, scale {scale}"
-        else:
-            torch.testing.assert_close(
-                actual[name], value, **tol, msg=lambda m, n=name: f"{what}: {n}: {m}"
-            )
+    if not bf16:  # in one comparison where all are plain fp32 (tests/support/parity.py)
+        assert_close_dicts(actual, expected, what, tol)
 
 
 @dataclasses.dataclass

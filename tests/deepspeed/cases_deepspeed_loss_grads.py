@@ -32,7 +32,7 @@ from tests.deepspeed.cases_deepspeed_common import (
 )
 from tests.loss_grads.cases_loss_grads import METHODS
 from tests.support.harness import Registry
-from tests.support.parity import world
+from tests.support.parity import assert_close_dicts, world
 
 registry = Registry()
 STEPS = 3
@@ -89,9 +89,7 @@ def _parity(method: str, keep: bool, plain_first: bool = False) -> None:
         engine.step()
         expected = {n: p.detach() for n, p in ref.named_parameters()}
         actual = full_params(engine)
-        for name, value in expected.items():
-            torch.testing.assert_close(actual[name], value, **CLOSE,
-                                       msg=lambda m, n=name: f"step {step}: {n}: {m}")
+        assert_close_dicts({n: actual[n] for n in expected}, expected, f"step {step}", CLOSE)
 
 
 for _method in ("pcgrad", "upgrad"):

@@ -29,6 +29,7 @@ from tests.support.parity import (
     LOSSES,
     Block,
     Scenario,
+    assert_close_dicts,
     batch,
     block_options,
     make_net,
@@ -135,13 +136,8 @@ def _assert_trained_alike(new, old, new_opt, old_opt, tol, where, init) -> None:
 
 def assert_close_dicts_tol(actual, expected, tol, what) -> None:
     assert set(actual) == set(expected), sorted(set(actual) ^ set(expected))
-    for name in expected:
-        torch.testing.assert_close(
-            actual[name].float(),
-            expected[name].float(),
-            **tol,
-            msg=lambda m, name=name: f"{what}: {name}: {m}",
-        )
+    assert_close_dicts({n: t.float() for n, t in actual.items()},
+                       {n: t.float() for n, t in expected.items()}, what, tol)
 
 
 def _compare_with_two_forward(make_model, options, tol, forward_ctx, passes=3, steps=3):

@@ -240,14 +240,43 @@ def fsdp_step(
     return losses, grads_after_pass, counts
 
 
-def assert_close_dicts(actual, expected, what: str) -> None:
+def _plainly_close(actual: dict, expected: dict, rtol: float, atol: float) -> bool:
+    """True where every pair is two plain fp32 (or fp64) strided tensors of one shape,
+    dtype and device whose values are all close (``torch.isclose``: what
+    ``torch.testing.assert_close`` checks of such a pair), in one comparison of them all
+    concatenated: assert_close's per-pair checks cost about 4% of the case launches' time.
+    Anything else, or any value not close, is left to assert_close and its message."""
+    flat: dict[torch.dtype, tuple[list, list]] = {}
+    for name, want in expected.items():
+        got = actual[name]
+        if not (type(got) in _PLAIN and type(want) in _PLAIN and got.shape == want.shape
+                and got.dtype == want.dtype in (torch.float32, torch.float64)
+                and got.device == want.device
+                and got.layout == want.layout == torch.strided):
+            return False
+        pair = flat.setdefault(got.dtype, ([], []))
+        pair[0].append(got.detach().reshape(-1))
+        pair[1].append(want.detach().reshape(-1))
+    return all(bool(torch.isclose(torch.cat(got), torch.cat(want), rtol=rtol, atol=atol).all())
+               for got, want in flat.values())
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def assert_close_dicts(actual, expected, what: str, tol: dict | None = None) -> None:
+    """Every tensor of ``actual`` close to ``expected``'s of its name (``tol``, default
+    ``TOL``), as ``torch.testing.assert_close`` checks and words it."""
+    tol = TOL if tol is None else tol
     missing = set(expected) ^ set(actual)
     assert not missing, f"{what}: names differ: {sorted(missing)}"
+    if _plainly_close(actual, expected, **tol):
+        return
     for name in expected:
         torch.testing.assert_close(
             actual[name],
             expected[name],
-            **TOL,
+            **tol,
             msg=lambda m, name=name: f"{what}: {name}: {m}",
         )
 

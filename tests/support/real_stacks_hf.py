@@ -26,7 +26,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 from fsdp_retain import no_reshard_between_backwards
 from tests.support import fsdp1_utils as f1
-from tests.support.parity import sgd, step_averaged, world
+from tests.support.parity import assert_close_dicts, sgd, step_averaged, world
 
 OPTIONS = [(True, "every"), (True, "last"), (False, "every"), (False, "last")]
 VOCAB, SEQ, BATCH = 64, 8, 2
@@ -216,11 +216,7 @@ def check_rl_step(where: str, model: nn.Module, ref: nn.Module, adapter, opt,
 
 
 def assert_close_dicts_tol(actual, expected, what: str) -> None:
-    assert set(actual) == set(expected), f"{what}: names differ: {set(actual) ^ set(expected)}"
-    for name in expected:
-        torch.testing.assert_close(
-            actual[name], expected[name], **TOL, msg=lambda m, n=name: f"{what}: {n}: {m}"
-        )
+    assert_close_dicts(actual, expected, what, TOL)
 
 
 def lora_qwen2(ckpt: str, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> nn.Module:
