@@ -299,7 +299,7 @@ class ExampleBatch:
 # takes the test's parameters, by name, and returns its ``ExampleRun``). At collection's end
 # (tests/conftest.py) the selected tests' runs become the session's batch; a test reads
 # its run with ``session_batch().result(plan(...))``.
-BATCHED: dict[Callable, Callable[..., ExampleRun]] = {}
+BATCHED: dict[Callable, Callable[..., ExampleRun | None]] = {}
 _session: ExampleBatch | None = None
 
 
