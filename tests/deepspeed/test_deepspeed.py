@@ -7,7 +7,6 @@ Skipped when deepspeed is not installed (it is an optional extra:
 ``DS_BUILD_OPS=0 pip install '.[deepspeed]'`` from a clone); CI runs it in its own venv.
 """
 
-import functools
 import importlib.util
 import os
 
@@ -18,7 +17,7 @@ pytest.importorskip("transformers", reason="the DeepSpeed cases use a tiny trans
 
 from tests.support import background  # noqa: E402
 from tests.support.examples import (  # noqa: E402
-    EXAMPLES, ExampleRun, accelerate_result, batched, session_batch, start_accelerate,
+    EXAMPLES, ExampleRun, accelerate_result, batched, early_accelerate, session_batch,
 )
 from tests.support.harness import case_tests  # noqa: E402
 
@@ -34,12 +33,10 @@ case_tests(globals(), "tests.deepspeed.cases_deepspeed_hpz", {"test_deepspeed_hp
 _TRAIN = str(EXAMPLES / "accelerate" / "train.py")
 if importlib.util.find_spec("accelerate") is not None:
     for _stage, _test in ((3, "test_accelerate_zero3_train"), (1, "test_accelerate_zero1_train")):
-        background.starts_early(f"accelerate zero{_stage}.yaml", when=_test)(
-            functools.partial(start_accelerate, f"zero{_stage}.yaml",
-                              str(EXAMPLES / "accelerate_cpu_fsdp.py"), _TRAIN))
-    background.starts_early("accelerate zero3.yaml, no shim",
-                            when="test_accelerate_zero3_refuses_cpu_without_shim")(
-        functools.partial(start_accelerate, "zero3.yaml", _TRAIN))
+        early_accelerate(_test, f"accelerate zero{_stage}.yaml", f"zero{_stage}.yaml",
+                         str(EXAMPLES / "accelerate_cpu_fsdp.py"), _TRAIN)
+    early_accelerate("test_accelerate_zero3_refuses_cpu_without_shim",
+                     "accelerate zero3.yaml, no shim", "zero3.yaml", _TRAIN)
 
 
 def _accelerate_deepspeed_train(stage: int, clip: str) -> None:
@@ -202,25 +199,19 @@ def _start_kit_stacks() -> background.BackgroundRun:
 
     from tests.support.harness import ROOT
 
-    out = Path(tempfile.mkdtemp(prefix="gpu_validate_ds_")) / "results"
+    folder = Path(tempfile.mkdtemp(prefix="gpu_validate_ds_"))
     return background.BackgroundRun(
         ["bash", str(ROOT / "scripts" / "gpu_validate.sh"), "--dry-run", "--nproc", "1",
-         "--out", str(out), "--stage", "stacks", "summary"],
-        payload=out, cwd=ROOT, env=dict(os.environ, PYTHON=sys.executable))
+         "--out", str(folder / "results"), "--stage", "stacks", "summary"],
+        payload=folder, cwd=ROOT, env=dict(os.environ, PYTHON=sys.executable))
 
 
 @pytest.fixture
 def kit_stacks_run():
-    import shutil
-
     from tests.support.harness import timeout_scale
 
-    run = background.take("kit_stacks_run")
-    try:
-        yield run.result(timeout=600 * timeout_scale()), run.payload
-    finally:
-        run.kill()
-        shutil.rmtree(run.payload.parent, ignore_errors=True)
+    with background.taken("kit_stacks_run", 600 * timeout_scale()) as (proc, folder):
+        yield proc, folder / "results"
 
 
 def test_gpu_kit_stacks_stage_with_deepspeed(kit_stacks_run):

@@ -77,10 +77,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.support import background
 from tests.support.examples import (
     COUNT_BLOCKS, EXAMPLES, TIMEOUT, ExampleBatch, ExampleRun, accelerate_result, batched,
-    session_batch, start_accelerate,
+    early_accelerate, session_batch,
 )
 from tests.support.examples import free_port as _free_port
 from tests.support.examples import run as _run
@@ -96,23 +95,15 @@ def example_batch() -> ExampleBatch:
 
 
 ACCELERATE_TRAIN = str(EXAMPLES / "accelerate" / "train.py")
-
-
-def _early_accelerate(test: str, name: str, config: str, *script: str,
-                      env: dict[str, str] | None = None) -> None:
-    """``test``'s accelerate launch (``accelerate_result(name)``), started when the tests are
-    collected, beside the case launches (tests/support/background.py)."""
-    background.starts_early(name, when=test)(
-        lambda: start_accelerate(config, *script, env=env))
-
-
+# The accelerate launches (accelerate's own launcher: what these tests test), started when
+# the tests are collected, beside the case launches.
 for _config in ("fsdp2.yaml", "fsdp1.yaml"):
-    _early_accelerate("test_accelerate_train", f"accelerate {_config}", _config, CPU_FSDP,
-                      COUNT_BLOCKS, ACCELERATE_TRAIN)
-_early_accelerate("test_accelerate_train_ddp", "accelerate ddp.yaml", "ddp.yaml", COUNT_BLOCKS,
-                  ACCELERATE_TRAIN, env={"ACCELERATE_USE_CPU": "1"})
-_early_accelerate("test_accelerate_train_refuses_no_accelerator",
-                  "accelerate fsdp2.yaml, no shim", "fsdp2.yaml", ACCELERATE_TRAIN)
+    early_accelerate("test_accelerate_train", f"accelerate {_config}", _config, CPU_FSDP,
+                     COUNT_BLOCKS, ACCELERATE_TRAIN)
+early_accelerate("test_accelerate_train_ddp", "accelerate ddp.yaml", "ddp.yaml", COUNT_BLOCKS,
+                 ACCELERATE_TRAIN, env={"ACCELERATE_USE_CPU": "1"})
+early_accelerate("test_accelerate_train_refuses_no_accelerator",
+                 "accelerate fsdp2.yaml, no shim", "fsdp2.yaml", ACCELERATE_TRAIN)
 
 
 def _number(pattern: str, out: str) -> float:

@@ -5,15 +5,15 @@ after another near the session's end.
 
 ``start_report`` runs ``run_report(ReportConfig(**config))`` as the tests did in their
 own process and prints what it returned (``returned_report`` reads it back);
-``start_command`` runs ``python -m fsdp_retain.report`` with its arguments. ``taken``
-waits for a fixture's run and deletes its folder afterwards.
+``start_command`` runs ``python -m fsdp_retain.report`` with its arguments
+(``written_report`` reads its files). ``taken`` waits for a fixture's run and deletes its
+folder afterwards.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,12 +51,9 @@ def start_command(prefix: str, *args: str) -> background.BackgroundRun:
 @contextlib.contextmanager
 def taken(fixture: str, timeout: float = 600
           ) -> Iterator[tuple[subprocess.CompletedProcess, Path]]:
-    run = background.take(fixture)
-    try:
-        yield run.result(timeout=timeout * timeout_scale()), run.payload
-    finally:
-        run.kill()
-        shutil.rmtree(run.payload, ignore_errors=True)
+    """The fixture's run, waited for (``timeout`` seconds, scaled); its folder deleted after."""
+    with background.taken(fixture, timeout * timeout_scale()) as run:
+        yield run
 
 
 def returned_report(proc: subprocess.CompletedProcess) -> dict:
@@ -64,3 +61,11 @@ def returned_report(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
     return json.loads(line[len(_MARK):])
+
+
+def written_report(proc: subprocess.CompletedProcess, out: Path) -> tuple[dict, dict, str]:
+    """A ``start_command`` run's files (it must have passed): the report, its rows by label,
+    and report.md."""
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((out / "report.json").read_text())
+    return data, {r["label"]: r for r in data["rows"]}, (out / "report.md").read_text()

@@ -9,15 +9,13 @@ change keep_unsharded or reshard_to are n/a; all-reduces per step follow a formu
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from fsdp_retain.report import ReportConfig
 from fsdp_retain.report._figures import error_text
 from fsdp_retain.report._results import unexpected_failures
 from fsdp_retain.report._rows import ReportRow
-from tests.report.report_runs import start_command, taken
+from tests.report.report_runs import start_command, taken, written_report
 from tests.support import background
 
 RAN = ("two_forward", "keep:every", "keep:last", "probe:every", "probe:last", "check:every",
@@ -41,11 +39,8 @@ def ddp_report_run():
 
 @pytest.fixture(scope="module")
 def report(ddp_report_run):
-    proc, out = ddp_report_run
-    # 0: the naive row's wrong gradients and the n/a rows are expected, not failures.
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    data = json.loads((out / "report.json").read_text())
-    return data, {r["label"]: r for r in data["rows"]}, (out / "report.md").read_text()
+    # Exit 0: the naive row's wrong gradients and the n/a rows are expected, not failures.
+    return written_report(*ddp_report_run)
 
 
 def test_rows_ran_and_within_their_bound(report):

@@ -12,7 +12,9 @@ import pytest
 from fsdp_retain.report._cli import parse_args
 from fsdp_retain.report._config import ReportConfig
 from fsdp_retain.report._modes import Mode, mode_legend
-from tests.report.report_runs import returned_report, start_command, start_report, taken
+from tests.report.report_runs import (
+    returned_report, start_command, start_report, taken, written_report,
+)
 from tests.support import background
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,10 +89,7 @@ def node_report_run():
 
 @pytest.fixture(scope="module")
 def report(node_report_run):
-    proc, out = node_report_run
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    data = json.loads((out / "report.json").read_text())
-    return data, {r["label"]: r for r in data["rows"]}, (out / "report.md").read_text()
+    return written_report(*node_report_run)
 
 
 def test_regather_node_gathers_inside_the_node_between_passes(report):

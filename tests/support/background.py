@@ -19,11 +19,14 @@ before its turn starts then.
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 STARTERS: dict[str, Callable[[], BackgroundRun]] = {}
@@ -123,7 +126,7 @@ def plan_session(items: list) -> None:
     used |= {getattr(item, "originalname", None) for item in items}
     planned = []
     for name, starter in STARTERS.items():
-        if _WHEN.get(name, name) in used and name not in _started:
+        if _WHEN[name] in used and name not in _started:
             _started[name] = _Planned(starter)
             planned.append(_started[name])
     if planned:
@@ -140,6 +143,20 @@ def take(name: str) -> BackgroundRun:
         if plan is not None:
             plan.dropped = True
         return STARTERS[name]()
+
+
+@contextlib.contextmanager
+def taken(name: str, timeout: float
+          ) -> Iterator[tuple[subprocess.CompletedProcess, Any]]:
+    """``take(name)``'s result (``timeout`` seconds from its start) and payload; the run is
+    killed afterwards, and a payload that is a folder deleted."""
+    run = take(name)
+    try:
+        yield run.result(timeout=timeout), run.payload
+    finally:
+        run.kill()
+        if isinstance(run.payload, Path):
+            shutil.rmtree(run.payload, ignore_errors=True)
 
 
 def stop_all() -> None:

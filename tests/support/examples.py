@@ -151,6 +151,15 @@ def start_accelerate(config: str, *script: str, env: dict[str, str] | None = Non
                                     env=example_env(env))
 
 
+def early_accelerate(test: str, name: str, config: str, *script: str,
+                     env: dict[str, str] | None = None) -> None:
+    """``test``'s accelerate launch (``start_accelerate``), registered as ``name``: started
+    when the tests are collected where ``test`` is selected (tests/support/background.py),
+    read with ``accelerate_result(name)``."""
+    background.starts_early(name, when=test)(
+        lambda: start_accelerate(config, *script, env=env))
+
+
 def accelerate_result(name: str) -> subprocess.CompletedProcess:
     """The ``start_accelerate`` run registered as ``name`` (tests/support/background.py:
     started when the tests are collected, or now), recorded in the launch log; started

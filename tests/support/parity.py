@@ -240,6 +240,9 @@ def fsdp_step(
     return losses, grads_after_pass, counts
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
 def _plainly_close(actual: dict, expected: dict, rtol: float, atol: float) -> bool:
     """True where every pair is two plain fp32 (or fp64) strided tensors of one shape,
     dtype and device whose values are all close (``torch.isclose``: what
@@ -259,9 +262,6 @@ def _plainly_close(actual: dict, expected: dict, rtol: float, atol: float) -> bo
         pair[1].append(want.detach().reshape(-1))
     return all(bool(torch.isclose(torch.cat(got), torch.cat(want), rtol=rtol, atol=atol).all())
                for got, want in flat.values())
-
-
-_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def assert_close_dicts(actual, expected, what: str, tol: dict | None = None) -> None:

@@ -93,3 +93,16 @@ def test_at_most_two_at_once_in_order(tmp_path, monkeypatch):
         assert background.take(name).result(timeout=30).returncode == 0
     assert starts == ["first", "second", "fourth", "third"]  # the fourth's turn started none
     background.stop_all()
+
+
+def test_taken_gives_the_result_and_deletes_its_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(background, "STARTERS", {})
+    monkeypatch.setattr(background, "_started", {})
+    monkeypatch.setattr(background, "_WHEN", {})
+    folder = tmp_path / "run"
+    folder.mkdir()
+    background.starts_early("writes")(lambda: _python(
+        f"open({str(folder / 'out.txt')!r}, 'w').write('x'); print('ok')", payload=folder))
+    with background.taken("writes", timeout=30) as (proc, payload):
+        assert proc.stdout == "ok\n" and (payload / "out.txt").read_text() == "x"
+    assert not folder.exists()
