@@ -157,15 +157,76 @@ class _Groups:
 # counts are the same; its per-module operation tables (not read here) lose those ops.
 
 
+# [Note: a module that runs its forward more than once under CommDebugMode]
+# CommDebugMode's module tracker (torch 2.9-2.15: ``_CommModeModuleTracker``) registers a
+# forward hook on a module each time its forward starts and never removes it until the
+# mode exits; the hook pops the module off the tracker's parent list. A module whose
+# forward runs twice inside one mode then pops twice at its second end, and a third time
+# the list is empty: ``IndexError: list index out of range``. Such modules are ordinary:
+# an lm_head applied per chunk, a second forward of the model in one block, and since
+# transformers 5.25 every HF model whose decoder layers share the one ``apply_rotary_pos_emb``
+# module (a module-level ``nn.Module``, run once per layer). ``_repeat_safe_tracker``
+# removes a module's earlier hook before its forward starts again: one hook, one pop, per
+# call. The tracker's records (per-module tables, not read here) are otherwise torch's.
+# Where the tracker lacks that shape (another torch), it is left as torch made it:
+# tests/api/test_count_collectives.py shows whether that one survives the repeats.
+
+
+def _repeat_safe_tracker(tracker_class: Any) -> Any:
+    """``tracker_class`` (torch's ``_CommModeModuleTracker``) with one forward hook per
+    module at a time: see [Note: a module that runs its forward more than once under
+    CommDebugMode]."""
+
+    class _RepeatSafeTracker(tracker_class):
+        def __init__(self) -> None:
+            super().__init__()
+            self._hook_of: dict[int, Any] = {}  # id(module) -> its forward hook's handle
+
+        def _fw_pre_hook(self, mod, input):
+            stale = self._hook_of.pop(id(mod), None)
+            if stale is not None:
+                stale.remove()
+            # torch keeps the handles by module name; the name's entry changes when its
+            # pre-hook registers one (not in a checkpoint's recomputation).
+            name = self._get_mod_name(mod)
+            before = self.register_forward_hook_handles.get(name)
+            super()._fw_pre_hook(mod, input)
+            after = self.register_forward_hook_handles.get(name)
+            if after is not None and after is not before:
+                self._hook_of[id(mod)] = after
+
+        def __exit__(self, *args):
+            # torch's removes the last handle of each name; two modules of one name (two
+            # module-level modules of one class) leave it one it no longer lists.
+            for handle in self._hook_of.values():
+                handle.remove()
+            self._hook_of.clear()
+            return super().__exit__(*args)
+
+    return _RepeatSafeTracker
+
+
 def _comm_mode_class():
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
+    try:
+        from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
+    except ImportError:  # another torch: its tracker as it is (the Note above)
+        _CommModeModuleTracker = None
+    mends = _CommModeModuleTracker is not None and all(
+        hasattr(_CommModeModuleTracker, name) for name in ("_fw_pre_hook", "_fw_set_module_hook")
+    )
+    tracker_class = _repeat_safe_tracker(_CommModeModuleTracker) if mends else None
+
     class _ByteCountingCommMode(_Groups, CommDebugMode):
-        """``CommDebugMode`` that also adds up the bytes of each collective it counts."""
+        """``CommDebugMode`` that also adds up the bytes of each collective it counts, its
+        module tracker mended for modules that run more than once (the Note above)."""
 
         def __init__(self) -> None:
             super().__init__()
+            if tracker_class is not None and hasattr(self, "advanced_module_tracker"):
+                self.advanced_module_tracker = tracker_class()
             self._init_groups()
             self.comm_namespaces = {"c10d"} | {
                 packet._qualified_op_name.split("::")[0] for packet in self.comm_registry
@@ -230,9 +291,10 @@ def count_collectives(*, modules: bool = True) -> Iterator[CollectiveCounts]:
     c10d ops FSDP1/FSDP2 call and functional collectives. The counts (and the
     ``*_bytes`` fields) are filled in when the block exits.
 
-    ``CommDebugMode`` (torch 2.13) fails on a second forward of the same
-    modules inside one block: count each forward and its backward passes in
-    their own block and add the results up.
+    A module whose forward runs more than once in the block (a second forward,
+    an lm_head per chunk, transformers' shared rotary module) is counted as any
+    other: torch's ``CommDebugMode`` alone raises ``IndexError`` there (see
+    [Note: a module that runs its forward more than once under CommDebugMode]).
 
     Example::
 

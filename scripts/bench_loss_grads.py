@@ -39,9 +39,8 @@ def _example():
 
 
 def _counts_k_forwards(ex, model, x, targets) -> dict[str, int]:
-    """One k-forward step's collectives, each forward counted apart (``CommDebugMode``
-    fails on a second forward of the same modules inside one count), plus the
-    Gramian's all-reduce."""
+    """One k-forward step's collectives, each forward counted apart and added up, plus
+    the Gramian's all-reduce."""
     totals = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 1}
     for i in range(len(targets)):
         with count_collectives() as counts:

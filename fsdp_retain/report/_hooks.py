@@ -44,7 +44,7 @@ LATER = "later"
 
 
 class CountHooks(StepHooks):
-    """Counts collectives per forward (``CommDebugMode`` cannot see two forwards at once),
+    """Counts collectives per forward (a segment each: ``two_forward``'s two apart),
     and passes the step's phases to ``timeline`` (a ``PrefetchTimeline``) if given.
     All-gathers after the first backward count apart (``LATER``), by process group size."""
 
