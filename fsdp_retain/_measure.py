@@ -161,8 +161,8 @@ class _Groups:
 # CommDebugMode's module tracker (torch 2.9-2.15: ``_CommModeModuleTracker``) registers a
 # forward hook on a module each time its forward starts and never removes it until the
 # mode exits; the hook pops the module off the tracker's parent list. A module whose
-# forward runs twice inside one mode then pops twice at its second end, and a third time
-# the list is empty: ``IndexError: list index out of range``. Such modules are ordinary:
+# forward runs k times inside one mode pops k times at its k-th end, until the list runs
+# empty: ``IndexError: list index out of range``. Such modules are ordinary:
 # an lm_head applied per chunk, a second forward of the model in one block, and since
 # transformers 5.25 every HF model whose decoder layers share the one ``apply_rotary_pos_emb``
 # module (a module-level ``nn.Module``, run once per layer). ``_repeat_safe_tracker``
@@ -214,10 +214,8 @@ def _comm_mode_class():
         from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
     except ImportError:  # another torch: its tracker as it is (the Note above)
         _CommModeModuleTracker = None
-    mends = _CommModeModuleTracker is not None and all(
-        hasattr(_CommModeModuleTracker, name) for name in ("_fw_pre_hook", "_fw_set_module_hook")
-    )
-    tracker_class = _repeat_safe_tracker(_CommModeModuleTracker) if mends else None
+    tracker_class = (None if _CommModeModuleTracker is None
+                     else _repeat_safe_tracker(_CommModeModuleTracker))
 
     class _ByteCountingCommMode(_Groups, CommDebugMode):
         """``CommDebugMode`` that also adds up the bytes of each collective it counts, its
@@ -225,7 +223,11 @@ def _comm_mode_class():
 
         def __init__(self) -> None:
             super().__init__()
-            if tracker_class is not None and hasattr(self, "advanced_module_tracker"):
+            # Mended where torch's own tracker is the one the Note describes.
+            tracker = getattr(self, "advanced_module_tracker", None)
+            if type(tracker) is _CommModeModuleTracker and hasattr(
+                tracker, "register_forward_hook_handles"
+            ):
                 self.advanced_module_tracker = tracker_class()
             self._init_groups()
             self.comm_namespaces = {"c10d"} | {
