@@ -1,7 +1,8 @@
 """The package's layout rules: no import cycle between its modules, no module a reader
-cannot hold in one sitting."""
+cannot hold in one sitting, no torch module named that mypy is told not to follow."""
 
 import ast
+import tomllib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_retain"
@@ -73,3 +74,47 @@ def test_modules_fit_one_sitting():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines (split by concern): {long}"
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``torch.fx.GraphModule`` for that attribute chain; None for anything else."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(names)])
+
+
+def test_mypy_skips_no_torch_module_the_package_names():
+    """pyproject.toml's mypy section does not follow some torch packages (its time); a name
+    the package takes from one would be Any to mypy, unchecked. So none is named."""
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["mypy"]
+    skipped = [
+        pattern.removesuffix(".*")
+        for override in config["overrides"]
+        if override.get("follow_imports") == "skip"
+        for pattern in override["module"]
+        if pattern.startswith("torch.")
+    ]
+    assert "torch.fx" in skipped, skipped
+    checked = [PACKAGE.parent / f for f in config["files"]]
+    files = [p for f in checked for p in ([f] if f.is_file() else sorted(f.rglob("*.py")))]
+    assert len(files) > 50 and all(p.suffix == ".py" for p in files)
+    named: dict[str, set[str]] = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found = [node.module]
+            else:
+                found = [d] if (d := _dotted(node)) else []
+            for name in found:
+                if any(name == s or name.startswith(s + ".") for s in skipped):
+                    named.setdefault(str(path.relative_to(PACKAGE.parent)), set()).add(name)
+    assert not named, (
+        f"names a torch module that pyproject.toml's mypy section does not follow: {named}; "
+        "take that module out of the override's list so mypy checks the use"
+    )
