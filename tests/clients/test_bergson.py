@@ -9,8 +9,10 @@ import re
 
 import pytest
 
-pytest.importorskip("bergson", reason="bergson not installed (see docs/integrations/bergson.md)")
-pytest.importorskip("transformers", reason="the bergson example uses a tiny transformers Qwen2")
+from tests.support.installed import skip_unless_installed
+
+skip_unless_installed("bergson", reason="bergson not installed (see docs/integrations/bergson.md)")
+skip_unless_installed("transformers", reason="the bergson example uses a tiny transformers Qwen2")
 
 from tests.docs.test_examples import _blocks, _check_ok, _number  # noqa: E402
 from tests.support.examples import ExampleRun, batched, session_batch  # noqa: E402

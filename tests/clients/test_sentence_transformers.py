@@ -15,9 +15,11 @@ Skipped when sentence-transformers is not installed; run it in its own venv:
 
 import pytest
 
-pytest.importorskip("sentence_transformers",
-                    reason="sentence-transformers not installed (scripts/venv_ci.sh deepspeed)")
-pytest.importorskip("datasets", reason="the SentenceTransformerTrainer needs datasets")
+from tests.support.installed import skip_unless_installed
+
+skip_unless_installed("sentence_transformers",
+                      reason="sentence-transformers not installed (scripts/venv_ci.sh deepspeed)")
+skip_unless_installed("datasets", reason="the SentenceTransformerTrainer needs datasets")
 
 import re  # noqa: E402
 

@@ -22,8 +22,10 @@ with ``trl==1.16.0``.
 
 import pytest
 
-pytest.importorskip("trl", reason="trl not installed (pip install trl==1.16.0)")
-pytest.importorskip("datasets", reason="TRL's SFTTrainer needs datasets")
+from tests.support.installed import skip_unless_installed
+
+skip_unless_installed("trl", reason="trl not installed (pip install trl==1.16.0)")
+skip_unless_installed("datasets", reason="TRL's SFTTrainer needs datasets")
 
 from tests.docs.test_examples import _check_ok, _number  # noqa: E402
 from tests.support.examples import ExampleRun, batched, session_batch  # noqa: E402
