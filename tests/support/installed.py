@@ -5,9 +5,8 @@ that it is installed: 25 s of one core here (datasets, pandas, peft, bitsandbyte
 torch's compiler), and the pytest process of an example's test runs none of its code:
 the example's ranks import it themselves. ``skip_unless_installed`` asks the import
 system where the package would be found (``importlib.util.find_spec``) and skips only
-when it would not be. A package that is found but fails to import fails the ranks that
-import it, as ``importorskip`` (which skips only a ``ModuleNotFoundError``) fails the
-collection.
+when it would not be. A package that is found but fails to import is not skipped: the
+ranks that import it fail, loudly.
 
 A test module whose cases module imports the package at collection (the harness's
 ``case_tests``) pays the import there anyway; the check costs nothing either way.
